@@ -1,0 +1,224 @@
+"""Parsing and validating 5-field cron expressions (Vixie syntax).
+
+Pure: text in, :class:`CronSpec` out. The rules follow Vixie cron, the
+reference operators trust, and reject the extensions other libraries accept
+silently (``L``, ``W``, ``#``, seconds fields) because a schedule that means
+something else on another tool is worse than an error at start-up.
+"""
+from __future__ import annotations
+
+import calendar
+from dataclasses import dataclass
+from typing import FrozenSet, Tuple
+
+from .errors import ScheduleError
+
+__all__ = ["CronSpec", "parse_cron", "FIELD_NAMES"]
+
+FIELD_NAMES = ("minute", "hour", "day-of-month", "month", "day-of-week")
+_BOUNDS = {"minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31), "month": (1, 12), "day-of-week": (0, 7)}
+_MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_abbr) if name}
+_WEEKDAYS = {"sun": 0, "mon": 1, "tue": 2, "wed": 3, "thu": 4, "fri": 5, "sat": 6}
+_NAMES = {"month": _MONTHS, "day-of-week": _WEEKDAYS}
+_MONTH_NAMES = [calendar.month_name[i] for i in range(13)]
+_MAX_DAYS = {1: 31, 2: 29, 3: 31, 4: 30, 5: 31, 6: 30, 7: 31, 8: 31, 9: 30, 10: 31, 11: 30, 12: 31}
+
+SHORTHANDS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+_UNSUPPORTED_CHARS = {"L": "last-day", "W": "nearest-weekday", "#": "nth-weekday", "?": "no-specific-value", "H": "hashed"}
+
+
+@dataclass(frozen=True)
+class CronSpec:
+    """The value sets of a cron expression plus the flags Vixie derives from its text.
+
+    ``dom_star`` / ``dow_star`` decide the day rule (OR when both are
+    restricted) and ``wildcard`` decides the DST rule; both come from the
+    *text* (a field starting with ``*``), not from the value sets, exactly as
+    in Vixie's ``DOM_STAR``/``DOW_STAR``/``MIN_STAR``/``HR_STAR`` flags.
+    """
+
+    text: str
+    minutes: Tuple[int, ...]
+    hours: Tuple[int, ...]
+    days: FrozenSet[int]
+    months: Tuple[int, ...]
+    weekdays: FrozenSet[int]  # 0 = Sunday .. 6 = Saturday
+    dom_star: bool
+    dow_star: bool
+    wildcard: bool
+    day_rule: str = "vixie"  # "vixie": OR when both day fields are restricted; "and": Celery's crontab
+
+    def day_matches(self, day: int, weekday_sun0: int) -> bool:
+        dom = day in self.days
+        dow = weekday_sun0 in self.weekdays
+        if self.day_rule == "vixie" and not (self.dom_star or self.dow_star):
+            return dom or dow
+        return dom and dow
+
+
+def _fail(expr: str, field: str, reason: str) -> ScheduleError:
+    return ScheduleError(f"cron {expr!r}: {field} {reason}")
+
+
+def _number(expr: str, field: str, token: str) -> int:
+    names = _NAMES.get(field)
+    if names and token.lower() in names:
+        return names[token.lower()]
+    if not token.isdigit():
+        if names:
+            kind = "month" if field == "month" else "weekday"
+            return _raise(expr, field, f"{token!r} is not a number or a {kind} name")
+        return _raise(expr, field, f"{token!r} is not a number")
+    value = int(token)
+    lo, hi = _BOUNDS[field]
+    if not lo <= value <= hi:
+        return _raise(expr, field, f"value {value} is out of range {lo}-{hi}")
+    return value
+
+
+def _raise(expr: str, field: str, reason: str) -> int:
+    raise _fail(expr, field, reason)
+
+
+def _parse_field(expr: str, field: str, text: str) -> FrozenSet[int]:
+    lo, hi = _BOUNDS[field]
+    size = hi - lo + 1 if field != "day-of-week" else 7
+    for ch, what in _UNSUPPORTED_CHARS.items():
+        if ch in text.upper() and not (field in _NAMES and _contains_name_with(text, ch)):
+            raise _fail(expr, field, f"{text!r}: '{ch}' ({what}) is not supported; use Vixie cron syntax")
+    values: set = set()
+    for term in text.split(","):
+        if term == "":
+            raise _fail(expr, field, f"{text!r} has an empty term")
+        step = 1
+        if "/" in term:
+            base, _, step_text = term.partition("/")
+            if not step_text.isdigit():
+                raise _fail(expr, field, f"step {step_text!r} in {term!r} is not a number")
+            step = int(step_text)
+            if step == 0:
+                raise _fail(expr, field, f"step 0 in {term!r} is not allowed")
+            if step >= size:
+                raise _fail(
+                    expr, field, f"step {step} in {term!r} is not smaller than the field's {size} values (a typo?)"
+                )
+            if base != "*" and "-" not in base:
+                raise _fail(expr, field, f"{term!r}: a step needs '*' or a range before it ('{base}-{hi}/{step}')")
+        else:
+            base = term
+        if base == "*":
+            start, end = lo, hi
+            if field == "day-of-week":
+                end = 6
+        elif "-" in base:
+            a, _, b = base.partition("-")
+            if a == "" or b == "":
+                raise _fail(expr, field, f"range {base!r} is incomplete")
+            start, end = _number(expr, field, a), _number(expr, field, b)
+            if start > end:
+                raise _fail(expr, field, f"range {base!r} is reversed; ranges must ascend")
+        else:
+            start = end = _number(expr, field, base)
+        values.update(range(start, end + 1, step))
+    if field == "day-of-week" and 7 in values:
+        values.discard(7)
+        values.add(0)
+    return frozenset(values)
+
+
+def _contains_name_with(text: str, ch: str) -> bool:
+    """True when *ch* only appears inside month/weekday names (e.g. 'W' in 'WED')."""
+    stripped = text.upper()
+    for name in list(_MONTHS) + list(_WEEKDAYS):
+        stripped = stripped.replace(name.upper(), "")
+    return ch not in stripped
+
+
+def _check_can_fire(expr: str, days: FrozenSet[int], months: Tuple[int, ...], dom_only: bool) -> None:
+    """Reject day/month combinations that never occur (``0 0 30 2 *``).
+
+    Only relevant when the day-of-month set alone decides the day (AND rule
+    or day-of-week unrestricted): under the OR rule any weekday occurs in
+    every month, so the expression always fires.
+    """
+    if not dom_only:
+        return
+    smallest = min(days)
+    if any(smallest <= _MAX_DAYS[m] for m in months):
+        return
+    names = [_MONTH_NAMES[m] for m in months]
+    where = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    day_list = ",".join(str(d) for d in sorted(days))
+    raise _fail(expr, "day-of-month", f"{day_list} never occurs in {where}")
+
+
+def parse_cron(expr: str, *, day_rule: str = "vixie") -> CronSpec:
+    """Parse *expr* into a :class:`CronSpec`, raising :class:`ScheduleError` on any problem."""
+    if not isinstance(expr, str):
+        raise ScheduleError(f"cron {expr!r}: expression must be a string, not {type(expr).__name__}")
+    text = " ".join(expr.split())
+    if text.startswith("@"):
+        key = text.lower()
+        if key in ("@reboot",) or key.startswith("@every"):
+            raise ScheduleError(f"cron {expr!r}: {text.split()[0]} is not supported (a scheduler has no boot; use every())")
+        if key not in SHORTHANDS:
+            raise ScheduleError(f"cron {expr!r}: unknown shorthand {text!r}; supported: {', '.join(SHORTHANDS)}")
+        spec = parse_cron(SHORTHANDS[key], day_rule=day_rule)
+        return CronSpec(**{**spec.__dict__, "text": expr})
+    fields = text.split(" ") if text else []
+    if len(fields) != 5:
+        extra = " (seconds and year fields are not supported)" if len(fields) in (6, 7) else ""
+        raise ScheduleError(
+            f"cron {expr!r}: expected 5 fields (minute hour day-of-month month day-of-week), "
+            f"got {len(fields)}{extra}"
+        )
+    sets = [_parse_field(expr, name, part) for name, part in zip(FIELD_NAMES, fields)]
+    dom_star = fields[2].startswith("*")
+    dow_star = fields[4].startswith("*")
+    months = tuple(sorted(sets[3]))
+    dom_only = dow_star or day_rule == "and"
+    _check_can_fire(expr, sets[2], months, dom_only)
+    return CronSpec(
+        text=expr,
+        minutes=tuple(sorted(sets[0])),
+        hours=tuple(sorted(sets[1])),
+        days=sets[2],
+        months=months,
+        weekdays=sets[4],
+        dom_star=dom_star,
+        dow_star=dow_star,
+        wildcard=fields[0].startswith("*") or fields[1].startswith("*"),
+        day_rule=day_rule,
+    )
+
+
+def spec_from_sets(
+    text: str,
+    minutes, hours, days, months, weekdays, *, wildcard: bool, day_rule: str = "and"
+) -> CronSpec:
+    """Build a spec from already-expanded sets (Celery's ``crontab``), validating reachability."""
+    months_t = tuple(sorted(months))
+    days_f = frozenset(days)
+    if not (minutes and hours and days_f and months_t and weekdays):
+        raise ScheduleError(f"crontab {text}: a field has no values")
+    _check_can_fire(text, days_f, months_t, dom_only=True)
+    return CronSpec(
+        text=text,
+        minutes=tuple(sorted(minutes)),
+        hours=tuple(sorted(hours)),
+        days=days_f,
+        months=months_t,
+        weekdays=frozenset(w % 7 for w in weekdays),
+        dom_star=False,
+        dow_star=False,
+        wildcard=wildcard,
+        day_rule=day_rule,
+    )

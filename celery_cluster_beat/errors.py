@@ -1,0 +1,35 @@
+"""Exceptions raised for bad input.
+
+Both are ``ValueError`` subclasses so callers that already guard against bad
+configuration with ``except ValueError`` keep working.
+"""
+from __future__ import annotations
+
+
+class ScheduleError(ValueError):
+    """A schedule (cron expression, interval, baseline, time zone) is invalid.
+
+    The message always names the expression, the field and the reason, so an
+    operator can fix the entry without reading our source.
+    """
+
+
+class ConfigError(ValueError):
+    """A ``cluster_beat_*`` setting or a ``beat_schedule`` entry is invalid.
+
+    Raised at start-up, before anything is opened, with every problem found
+    listed in one message (not only the first).
+    """
+
+    def __init__(self, problems: "list[str] | str") -> None:
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = "%d problems in the celery-cluster-beat configuration:\n  - %s" % (
+                len(self.problems),
+                "\n  - ".join(self.problems),
+            )
+        super().__init__(message)

@@ -167,8 +167,10 @@ def parse_cron(expr: str, *, day_rule: str = "vixie") -> CronSpec:
     text = " ".join(expr.split())
     if text.startswith("@"):
         key = text.lower()
-        if key in ("@reboot",) or key.startswith("@every"):
-            raise ScheduleError(f"cron {expr!r}: {text.split()[0]} is not supported (a scheduler has no boot; use every())")
+        if key == "@reboot":
+            raise ScheduleError(f"cron {expr!r}: @reboot is not supported (a scheduler has no boot time)")
+        if key.startswith("@every"):
+            raise ScheduleError(f"cron {expr!r}: @every is not supported; use every(seconds) instead")
         if key not in SHORTHANDS:
             raise ScheduleError(f"cron {expr!r}: unknown shorthand {text!r}; supported: {', '.join(SHORTHANDS)}")
         spec = parse_cron(SHORTHANDS[key], day_rule=day_rule)

@@ -14,10 +14,12 @@ around it, which is where the gap/repeated-hour rules apply:
 from __future__ import annotations
 
 import bisect
+import calendar
 from datetime import date, datetime, timedelta, tzinfo
 from typing import Iterator, List
 
 from .cronexpr import CronSpec
+from .errors import ScheduleError
 from .tzwall import EXISTS, REPEATED, UTC, has_transition, resolve
 
 _MINUTE = timedelta(minutes=1)
@@ -28,11 +30,14 @@ _MAX_YEARS = 400  # the Gregorian calendar repeats after 400 years
 class CronTimes:
     """Computes fire instants for one (spec, zone); cache and share it between entries."""
 
-    __slots__ = ("spec", "tz")
+    __slots__ = ("spec", "tz", "_dom_only_days")
 
     def __init__(self, spec: CronSpec, tz: tzinfo) -> None:
         self.spec = spec
         self.tz = tz
+        every_weekday = len(spec.weekdays) == 7
+        dom_decides = every_weekday and (spec.dow_star or spec.dom_star or spec.day_rule == "and")
+        self._dom_only_days = tuple(sorted(spec.days)) if dom_decides else None
 
     # -- calendar (naive wall times, no zone) --------------------------------
     def _day_ok(self, d: date) -> bool:
@@ -41,16 +46,27 @@ class CronTimes:
     def _matching_days(self, d: date) -> Iterator[date]:
         """Matching dates from *d* on, jumping over months not in the spec."""
         months = self.spec.months
-        limit = d.year + _MAX_YEARS
+        days = self._dom_only_days
+        limit = min(d.year + _MAX_YEARS, 9998)
         while d.year <= limit:
             if d.month not in months:
                 i = bisect.bisect_right(months, d.month)
                 d = date(d.year, months[i], 1) if i < len(months) else date(d.year + 1, months[0], 1)
                 continue
+            if days is not None:  # only day-of-month decides: jump to the next listed day
+                i = bisect.bisect_left(days, d.day)
+                if i < len(days) and days[i] <= calendar.monthrange(d.year, d.month)[1]:
+                    d = d.replace(day=days[i])
+                    yield d
+                    d += _DAY
+                else:
+                    d = date(d.year, d.month, 1) + timedelta(days=32)
+                    d = d.replace(day=1)
+                continue
             if self._day_ok(d):
                 yield d
             d += _DAY
-        raise RuntimeError(f"cron {self.spec.text!r} found no matching day in {_MAX_YEARS} years")
+        raise ScheduleError(f"cron {self.spec.text!r}: no matching day within {_MAX_YEARS} years")
 
     def next_wall(self, naive: datetime) -> datetime:
         """First matching wall time strictly after naive *naive* (minute resolution)."""

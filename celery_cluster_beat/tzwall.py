@@ -76,14 +76,15 @@ def _transition_between(tz: tzinfo, lo: datetime, hi: datetime) -> datetime:
 
 @lru_cache(maxsize=4096)
 def _year_transitions(tz: tzinfo, year: int) -> Tuple[datetime, ...]:
-    """UTC instants in *year* where *tz*'s offset changes, found by scanning every 6 hours.
+    """UTC instants in *year* where *tz*'s offset changes, found by probing every 12 hours.
 
-    Real transitions are months apart, so a 6-hour probe cannot step over two.
+    Real transitions are weeks apart at the least, so a 12-hour probe cannot
+    step over two of them.
     """
-    start = datetime(year, 1, 1, tzinfo=UTC) - timedelta(hours=6)
+    step = timedelta(hours=12)
+    start = datetime(year, 1, 1, tzinfo=UTC) - step
     end = datetime(year + 1, 1, 1, tzinfo=UTC)
     found: List[datetime] = []
-    step = timedelta(hours=6)
     t = start
     prev = t.astimezone(tz).utcoffset()
     while t < end:

@@ -1,0 +1,157 @@
+"""``beat_schedule`` entries: validated once at start-up into :class:`Entry` objects.
+
+All problems of all entries are collected into one :class:`ConfigError`, each
+naming the entry, the field and the reason; nothing is started on bad input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .errors import ConfigError, ScheduleError
+from .schedules import ClusterSchedule, as_schedule
+from .settings import CATCHUP_POLICIES, OVERLAP_POLICIES
+
+CELERY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
+OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description")
+MAX_NAME_LENGTH = 255
+
+
+@dataclass
+class Entry:
+    """One schedule entry. Per-entry policy fields are ``None`` when the global setting applies."""
+
+    name: str
+    task: str
+    schedule: ClusterSchedule
+    args: Tuple = ()
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    options: Dict[str, Any] = field(default_factory=dict)
+    overlap: Optional[str] = None
+    max_run_time: Optional[float] = None
+    jitter: Optional[float] = None
+    catchup: Optional[str] = None
+    catchup_window: Optional[float] = None
+    enabled: bool = True
+    description: str = ""
+    # Celery's ScheduleEntry exposes these; tools that read beat's schedule expect them.
+    last_run_at: Optional[datetime] = None
+    total_run_count: int = 0
+
+
+def _seconds(value: Any, *, zero_ok: bool) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return f"expected a number of seconds, got {value!r}"
+    if value < 0 or (value == 0 and not zero_ok):
+        return f"must be {'zero or ' if zero_ok else ''}positive, got {value!r}"
+    return None
+
+
+def _check_options(options: Any) -> Optional[str]:
+    if not isinstance(options, Mapping):
+        return f"expected a dict, got {type(options).__name__}"
+    headers = options.get("headers")
+    if headers is not None and not isinstance(headers, Mapping):
+        return f"headers: expected a dict, got {type(headers).__name__}"
+    priority = options.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255):
+        return f"priority: expected an integer 0-255, got {priority!r}"
+    for key in ("queue", "routing_key"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, str) and not hasattr(value, "name"):
+            return f"{key}: expected a string, got {value!r}"
+    return None
+
+
+def build_entry(name: Any, spec: Any, app=None) -> Tuple[Optional[Entry], List[str]]:
+    """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems."""
+    problems: List[str] = []
+
+    def bad(field_name: str, reason: str) -> None:
+        problems.append(f"beat_schedule entry {name!r}: {field_name}: {reason}")
+
+    if not isinstance(name, str) or not name:
+        return None, [f"beat_schedule entry {name!r}: name: expected a non-empty string"]
+    if len(name) > MAX_NAME_LENGTH:
+        bad("name", f"longer than {MAX_NAME_LENGTH} characters")
+    if not isinstance(spec, Mapping):
+        return None, [f"beat_schedule entry {name!r}: expected a dict with 'task' and 'schedule', got {type(spec).__name__}"]
+    for key in spec:
+        if key not in CELERY_KEYS and key not in OUR_KEYS:
+            bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")
+    task = spec.get("task")
+    if not isinstance(task, str) or not task:
+        bad("task", f"expected a task name, got {task!r}")
+    schedule = None
+    if "schedule" not in spec:
+        bad("schedule", "missing")
+    else:
+        try:
+            schedule = as_schedule(spec["schedule"], app=app)
+        except ScheduleError as exc:
+            bad("schedule", str(exc))
+    args = spec.get("args") or ()
+    if not isinstance(args, (list, tuple)):
+        bad("args", f"expected a list or tuple, got {type(args).__name__}")
+    kwargs = spec.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        bad("kwargs", f"expected a dict, got {type(kwargs).__name__}")
+    options = spec.get("options") or {}
+    reason = _check_options(options)
+    if reason:
+        bad("options", reason)
+    for key, choices in (("overlap", OVERLAP_POLICIES), ("catchup", CATCHUP_POLICIES)):
+        value = spec.get(key)
+        if value is not None and value not in choices:
+            bad(key, f"expected one of {', '.join(choices)}, got {value!r}")
+    for key, zero_ok in (("max_run_time", False), ("jitter", True), ("catchup_window", False)):
+        value = spec.get(key)
+        if value is not None:
+            reason = _seconds(value, zero_ok=zero_ok)
+            if reason:
+                bad(key, reason)
+    enabled = spec.get("enabled", True)
+    if not isinstance(enabled, bool):
+        bad("enabled", f"expected True or False, got {enabled!r}")
+    description = spec.get("description") or ""
+    if not isinstance(description, str):
+        bad("description", f"expected a string, got {type(description).__name__}")
+    if problems:
+        return None, problems
+    return (
+        Entry(
+            name=name,
+            task=task,
+            schedule=schedule,
+            args=tuple(args),
+            kwargs=dict(kwargs),
+            options=dict(options),
+            overlap=spec.get("overlap"),
+            max_run_time=spec.get("max_run_time"),
+            jitter=spec.get("jitter"),
+            catchup=spec.get("catchup"),
+            catchup_window=spec.get("catchup_window"),
+            enabled=enabled,
+            description=description,
+        ),
+        [],
+    )
+
+
+def build_entries(beat_schedule: Any, app=None) -> Dict[str, Entry]:
+    """Every entry of *beat_schedule*, or one ConfigError listing every problem."""
+    if beat_schedule is None:
+        return {}
+    if not isinstance(beat_schedule, Mapping):
+        raise ConfigError(f"beat_schedule: expected a dict of entries, got {type(beat_schedule).__name__}")
+    entries: Dict[str, Entry] = {}
+    problems: List[str] = []
+    for name, spec in beat_schedule.items():
+        entry, errors = build_entry(name, spec, app=app)
+        problems.extend(errors)
+        if entry is not None:
+            entries[name] = entry
+    if problems:
+        raise ConfigError(problems)
+    return entries

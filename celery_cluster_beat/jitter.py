@@ -22,6 +22,7 @@ def jitter_delay(schedule: str, at: datetime, jitter: float, next_at: datetime) 
     cap = min(float(jitter), (next_at - at).total_seconds() * GAP_SHARE)
     if cap <= 0:
         return 0.0
+    cap_us = int(cap * 1_000_000)  # whole microseconds: integer arithmetic, identical on every host
     digest = hashlib.sha256(f"{schedule}\x00{utc_iso(at)}".encode()).digest()
-    fraction = int.from_bytes(digest[:8], "big") / 2**64
-    return round(fraction * cap, 6)
+    # floor(fraction * cap): strictly below the cap (rounding to microseconds could reach it)
+    return (int.from_bytes(digest[:8], "big") * cap_us >> 64) / 1_000_000

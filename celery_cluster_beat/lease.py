@@ -625,6 +625,13 @@ class RedisLease:
                     return True
             return False
         except Exception as exc:
+            interrupted = exc.__context__
+            while isinstance(interrupted, Exception):
+                interrupted = interrupted.__context__
+            if isinstance(interrupted, (SystemExit, KeyboardInterrupt)):
+                # beat's SIGTERM/SIGINT handler closed us and raised while we blocked here; the
+                # socket closed under redis-py turned its SystemExit into this error: let it through.
+                raise interrupted
             with self._lock:
                 self._drop_pubsub()
                 if self._closed:

@@ -23,11 +23,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import signals
 from .catchup import ON_TIME, plan_catchup
 from .entries import Entry, build_entries
+from .guard import OverlapGuard
 from .errors import ConfigError
 from .jitter import jitter_delay
 from .occurrence import Occurrence
 from .publisher import Dispatch, Publisher
 from .settings import Settings, load_settings
+from .store import ClaimStore, StaleTermError
 from .urls import mask_url
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -78,11 +80,13 @@ class Scheduler(beat.Scheduler):
         self._store = None
         self._lease = None
         self._publisher: Optional[Publisher] = None
+        self._guard: Optional[OverlapGuard] = None
         self._active = False
         self._closed = False
         self._heap: List[Tuple[datetime, str]] = []
         self._next_at: Dict[str, datetime] = {}
         self._retries: List[Tuple[float, int, Occurrence]] = []
+        self._unmarked: List[Occurrence] = []
         self._next_sweep = 0.0
         self._next_prune = 0.0
         self._db_backoff_until = 0.0
@@ -114,22 +118,25 @@ class Scheduler(beat.Scheduler):
         return f"{self.app.main or 'celery'}:{digest}"
 
     def setup_schedule(self) -> None:
-        from .store import ClaimStore
-
         s = self.settings
         self._default_entries()
         self._store = ClaimStore(s.db_url, node_id=s.node_id)
         self._store.open()
         self._publisher = Publisher(self.app, s.node_id)
+        self._guard = OverlapGuard(self.app, s)
+        self._guard.warn_about_configuration(self.entries.values())
         if s.redis_url:
             from .lease import RedisLease
             from .redisconn import redis_client_from_url
 
             url = s.redis_url
-            options = self.app.conf.broker_transport_options if url == self.app.conf.broker_url else {}
+            same_as_broker = url == self.app.conf.broker_url
+            options = dict(self.app.conf.broker_transport_options or {}) if same_as_broker else {}
+            ssl = self.app.conf.broker_use_ssl if same_as_broker else None
+            timeout = min(2.0, s.lock_ttl / 2)
 
-            def client_factory(url=url, options=dict(options or {})):
-                return redis_client_from_url(url, transport_options=options)
+            def client_factory():
+                return redis_client_from_url(url, transport_options=options, ssl=ssl or None, socket_timeout=timeout)
 
             self._lease = RedisLease(client_factory, name=self._lease_name(), node_id=s.node_id,
                                      ttl=s.lock_ttl, on_event=self._on_lease_event)
@@ -169,6 +176,7 @@ class Scheduler(beat.Scheduler):
         now = _utcnow()
         try:
             last = self._store.last_occurrences()
+            self._guard.load(self._store.schedule_states())  # inherit the previous leader's in-flight runs
         except SQLAlchemyError as exc:
             logger.error("cluster-beat: cannot read the claim store (%s); retrying", exc)
             self._db_trouble()
@@ -194,6 +202,8 @@ class Scheduler(beat.Scheduler):
             logger.warning("cluster-beat: node %s stops scheduling: %s", self.settings.node_id, why)
         self._active = False
         self._retries = []
+        if self._guard is not None:
+            self._guard.drop_buffered()
 
     def _standby(self) -> float:
         lease = self._lease
@@ -229,6 +239,8 @@ class Scheduler(beat.Scheduler):
             self._run_due()
         if self._retries and self._retries[0][0] <= time.monotonic():
             self._run_retries()
+        if self._guard.has_buffered() and time.monotonic() >= self._db_backoff_until:
+            self._run_buffered()
         if time.monotonic() >= self._next_prune:
             self._prune()
         return self._sleep_time()
@@ -244,6 +256,9 @@ class Scheduler(beat.Scheduler):
             wait = max(wait, self._db_backoff_until - mono)
         if self._active and self._lease is not None:
             wait = min(wait, self._lease.next_renew_in())
+        check = self._guard.next_check_in() if self._guard is not None else None
+        if check is not None:
+            wait = min(wait, check)
         return max(wait, 0.001)  # never 0: beat would spin
 
     def _pop_due(self, now: datetime) -> List[Tuple[Entry, datetime]]:
@@ -304,15 +319,28 @@ class Scheduler(beat.Scheduler):
         self._db_failures += 1
         self._db_backoff_until = time.monotonic() + min(30.0, 0.5 * 2 ** min(self._db_failures, 6))
 
-    def _claim_and_send(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime) -> None:
+    def _claim_and_send(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime, *,
+                        guarded: bool = True) -> None:
+        """Guard, claim (one statement), send what this node won."""
         if not claim or not self._still_leader():
             return
-        from .store import StaleTermError
-
+        replaces: Dict[Occurrence, str] = {}
+        if guarded:
+            decision = self._guard.filter(claim, now)
+            claim, replaces = decision.send, decision.replaces
         try:
+            if guarded and decision.skipped:
+                for occ in self._store.record([occ for _, occ in decision.skipped], status="skipped",
+                                              reason="overlap", term=self._term()):
+                    self._outcome("skipped-overlap", occ, "previous run still in flight")
+            if guarded:
+                for _, occ in decision.buffered:
+                    self._outcome("buffered", occ, "previous run still in flight")
+            if not claim:
+                return
             won = self._store.claim([occ for _, occ in claim], term=self._term())
         except StaleTermError as exc:
-            self._lease.step_down(f"a newer leader term {exc.seen_term} is recorded")
+            self._lease.step_down(f"a newer leader term {exc.seen_term} is recorded", observed_term=exc.seen_term)
             self._deactivate("a newer leader holds the claim store")
             return
         won_set = set(won)
@@ -320,7 +348,21 @@ class Scheduler(beat.Scheduler):
         for entry, occ in claim:
             if occ not in won_set:
                 self._outcome("claim-lost", occ, "claimed by another node")
+        for occ in won:
+            if occ in replaces:
+                self._guard.revoke(replaces[occ])
+                self._outcome("replaced", occ, f"previous run {replaces[occ]} revoked")
         self._send([(entry_of[occ], occ) for occ in won], resent=False)
+
+    def _run_buffered(self) -> None:
+        """Send buffered occurrences (overlap ``buffer_one``) whose previous run has finished."""
+        ready = self._guard.ready(_utcnow())
+        if ready:
+            try:
+                self._claim_and_send(ready, _utcnow(), guarded=False)
+            except SQLAlchemyError as exc:
+                logger.error("cluster-beat: the claim store failed while sending buffered runs: %s", exc)
+                self._db_trouble()
 
     def _dispatch_for(self, entry: Entry, occ: Occurrence) -> Dispatch:
         s = self.settings
@@ -342,18 +384,36 @@ class Scheduler(beat.Scheduler):
             dispatches = [self._dispatch_for(entry, occ) for entry, occ in part]
             errors = self._publisher.publish(dispatches)
             sent = [occ for (_, occ), err in zip(part, errors) if err is None]
-            self._store.mark_sent(sent)
+            self._mark_sent(sent)
             outcome = "resent" if resent else "sent"
             log_each = len(part) < LOG_EACH_UNDER
             for (entry, occ), err in zip(part, errors):
                 if err is None:
                     entry.last_run_at = occ.at
                     entry.total_run_count += 1
+                    self._guard.sent(entry, occ)
                     self._outcome(outcome, occ, None, entry, log=log_each)
                 else:
                     self._send_failed(occ, err, attempt=1)
             if not log_each:
                 logger.info("cluster-beat: %s %d occurrence(s) (%d failed)", outcome, len(sent), len(part) - len(sent))
+
+    def _mark_sent(self, sent: List[Occurrence]) -> None:
+        """Record sends; if the store is down, keep them to record later.
+
+        The messages are out: losing the 'sent' mark would make the stale-claim
+        sweep resend them, so they are kept until the store takes them.
+        """
+        pending = self._unmarked + sent
+        try:
+            self._store.mark_sent(pending)
+        except SQLAlchemyError as exc:
+            self._unmarked = pending
+            logger.error("cluster-beat: cannot mark %d sent occurrence(s) in the claim store (%s); will retry",
+                         len(pending), exc.__class__.__name__)
+            self._db_trouble()
+        else:
+            self._unmarked = []
 
     def _send_failed(self, occ: Occurrence, err: BaseException, attempt: int) -> None:
         final = attempt >= MAX_SEND_ATTEMPTS
@@ -362,7 +422,9 @@ class Scheduler(beat.Scheduler):
             logger.error("cluster-beat: giving up on %s at %s after %d attempts: %r", occ.schedule, occ.at, attempt, err)
             self._outcome("failed", occ, repr(err))
         else:
-            heapq.heappush(self._retries, (time.monotonic() + 2 ** (attempt - 1), attempt + 1, occ))
+            # Each failed attempt refreshes the claim; retrying within the grace keeps sweepers off it.
+            delay = min(2 ** (attempt - 1), self.settings.claim_grace / 2)
+            heapq.heappush(self._retries, (time.monotonic() + delay, attempt + 1, occ))
 
     def _run_retries(self) -> None:
         mono = time.monotonic()
@@ -374,9 +436,10 @@ class Scheduler(beat.Scheduler):
         ready = [(self.entries[occ.schedule], occ, attempt) for _, attempt, occ in batch if occ.schedule in self.entries]
         try:
             errors = self._publisher.publish([self._dispatch_for(e, o) for e, o, _ in ready])
-            self._store.mark_sent([o for (_, o, _), err in zip(ready, errors) if err is None])
+            self._mark_sent([o for (_, o, _), err in zip(ready, errors) if err is None])
             for (entry, occ, attempt), err in zip(ready, errors):
                 if err is None:
+                    self._guard.sent(entry, occ)  # the overlap guard must see retried sends too
                     self._outcome("sent", occ, f"after {attempt - 1} failed attempt(s)", entry)
                 else:
                     self._send_failed(occ, err, attempt)
@@ -390,19 +453,24 @@ class Scheduler(beat.Scheduler):
         self._next_sweep = time.monotonic() + grace / 2
         if not self._still_leader():
             return
+        if self._unmarked:  # our own sends must be recorded before we look for unsent claims
+            self._mark_sent([])
+            if self._unmarked:
+                return
         try:
             rows = self._store.take_over_stale(now - timedelta(seconds=grace), term=self._term())
         except SQLAlchemyError as exc:
             logger.error("cluster-beat: stale-claim sweep failed: %s", exc)
             return
-        except Exception as exc:  # StaleTermError
-            if exc.__class__.__name__ == "StaleTermError":
-                self._lease.step_down("a newer leader term is recorded")
-                self._deactivate("a newer leader holds the claim store")
-                return
-            raise
+        except StaleTermError as exc:
+            self._lease.step_down("a newer leader term is recorded", observed_term=exc.seen_term)
+            self._deactivate("a newer leader holds the claim store")
+            return
+        retrying = {occ for _, _, occ in self._retries}
         items = []
         for occ in rows:
+            if occ in retrying:  # our own failed publish, already queued for a retry
+                continue
             entry = self.entries.get(occ.schedule)
             if entry is None:
                 self._store.mark_failed(occ, "entry no longer in beat_schedule", final=True)

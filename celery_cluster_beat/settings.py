@@ -34,6 +34,14 @@ class Settings:
     prune_interval: float
     claim_grace: float
 
+    def __repr__(self) -> str:  # URLs may carry passwords: never print them
+        from .urls import mask_url
+
+        fields = ", ".join(
+            f"{k}={mask_url(v) if k.endswith('_url') and v else v!r}" for k, v in self.__dict__.items()
+        )
+        return f"Settings({fields})"
+
 
 def _positive(name: str, value: Any, problems: List[str], *, allow_zero: bool = False, allow_none: bool = False):
     if value is None and allow_none:
@@ -61,7 +69,7 @@ def default_redis_url(conf) -> Optional[str]:
         broker = broker[0] if broker else ""
     if not isinstance(broker, str):
         return None
-    if broker.split("://", 1)[0] in ("redis", "rediss", "sentinel", "redis+sentinel", "sentinels"):
+    if broker.split("://", 1)[0] in ("redis", "rediss", "sentinel"):
         return broker
     return None
 
@@ -87,13 +95,14 @@ def load_settings(conf, *, has_result_backend: Callable[[], bool]) -> Settings:
         redis_url = None
     elif redis_url == "":
         redis_url = None
-    elif redis_url.split("://", 1)[0] not in ("redis", "rediss", "unix", "sentinel", "redis+sentinel", "sentinels"):
-        from .urls import mask_url
+    else:
+        from .redisconn import redis_client_from_url
 
-        problems.append(
-            f"setting cluster_beat_redis_url: {mask_url(redis_url)!r} is not a redis://, rediss://, unix:// "
-            "or sentinel:// URL"
-        )
+        options = conf.broker_transport_options if redis_url == conf.broker_url else None
+        try:  # builds a client without connecting: checks the URL's form and options
+            redis_client_from_url(redis_url, transport_options=options or {}).close()
+        except ValueError as exc:
+            problems.append(f"setting cluster_beat_redis_url: {exc}")
 
     def seconds(name: str, default, **kw):
         value = get(name)
@@ -115,6 +124,15 @@ def load_settings(conf, *, has_result_backend: Callable[[], bool]) -> Settings:
     retention = seconds("cluster_beat_claim_retention", 7 * 86400.0)
     prune_interval = seconds("cluster_beat_prune_interval", 60.0)
     claim_grace = seconds("cluster_beat_claim_grace", 10.0)
+    zone = get("timezone")  # entries without a zone of their own follow it: check it before anything opens
+    if isinstance(zone, str) and zone:
+        from .errors import ScheduleError
+        from .tzwall import get_zone
+
+        try:
+            get_zone(zone)
+        except ScheduleError as exc:
+            problems.append(f"setting timezone: {exc}")
 
     if problems:
         raise ConfigError(problems)

@@ -133,13 +133,39 @@ class UTCDateTime(sa.types.TypeDecorator):
         return value.replace(tzinfo=timezone.utc)
 
 
-def _name_type(length: int = 255) -> sa.types.TypeEngine[str]:
-    # MySQL/MariaDB default collations are case-insensitive: "Report" and
-    # "report" would collide on the primary key and one schedule would
-    # silently lose every claim. Compare names byte for byte everywhere.
-    return sa.String(length).with_variant(
-        mysql_dialect.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+def _mysql_name_collation(dialect: Any) -> str:
+    """The collation of name columns on a MySQL-family server.
+
+    The default collations are case-insensitive: "Report" and "report" would
+    collide on the primary key and one schedule would silently lose every
+    claim. Binary collations compare byte for byte; we prefer a NO PAD one,
+    in which "a" and "a " differ too.
+    """
+    if getattr(dialect, "is_mariadb", False):
+        return "utf8mb4_nopad_bin"
+    version = getattr(dialect, "server_version_info", None) or ()
+    if tuple(version[:3]) >= (8, 0, 17):
+        return "utf8mb4_0900_bin"
+    return "utf8mb4_bin"  # PAD SPACE: ClaimStore rejects names ending in a space
+
+
+class NameType(sa.types.TypeDecorator):
+    """VARCHAR compared byte for byte in every dialect (see _mysql_name_collation)."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
+        length = self.impl.length
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(
+                mysql_dialect.VARCHAR(length, charset="utf8mb4", collation=_mysql_name_collation(dialect))
+            )
+        return dialect.type_descriptor(sa.String(length))
+
+
+def _name_type(length: int = 255) -> NameType:
+    return NameType(length)
 
 
 _MYSQL_TABLE = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
@@ -159,10 +185,12 @@ claims_table = sa.Table(
     sa.Column("reason", sa.Text(), nullable=True),
     sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
     sa.Column("sent_at", UTCDateTime(), nullable=True),
-    # Random id of the statement batch that last wrote the row. MySQL has no
-    # INSERT/UPDATE ... RETURNING, so "which rows did *this* statement
-    # insert/change" is answered by selecting this token in the same
-    # transaction: exact under concurrency, unlike counting affected rows.
+    # Random id of the statement that last wrote the row. MySQL has no
+    # INSERT/UPDATE ... RETURNING, so when only some of a batch's rows were
+    # inserted/changed, which ones is answered by selecting, among the
+    # batch's keys, those carrying this token, in the same transaction:
+    # exact under concurrency. (Looked up through the primary key, so it
+    # needs no index of its own.)
     sa.Column("op_token", sa.String(32), nullable=True),
     sa.CheckConstraint(
         "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
@@ -170,7 +198,6 @@ claims_table = sa.Table(
     ),
     sa.Index("ix_cluster_beat_claims_status_claimed_at", "status", "claimed_at"),
     sa.Index("ix_cluster_beat_claims_scheduled_at", "scheduled_at"),
-    sa.Index("ix_cluster_beat_claims_op_token", "op_token"),
     **_MYSQL_TABLE,
 )
 
@@ -262,6 +289,12 @@ def _aware(value: datetime, what: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
+def _clip(text: str) -> str:
+    if len(text) > _MAX_ERROR_CHARS:
+        return text[: _MAX_ERROR_CHARS - 3] + "..."
+    return text
+
+
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -332,6 +365,9 @@ class ClaimStore:
         self._mysql = backend in ("mysql", "mariadb")
         self._sqlite = backend == "sqlite"
         self._returning = False
+        self._collation = ""  # name collation on MySQL, known once open
+        self._ph = "%s"  # the MySQL driver's positional placeholder
+        self._pad_space = False
 
     def __repr__(self) -> str:
         return f"<ClaimStore {self.url_masked} node={self.node_id!r}>"
@@ -359,6 +395,12 @@ class ClaimStore:
                     and bool(dialect.insert_returning)
                     and bool(dialect.update_returning)
                 )
+                if self._mysql:
+                    # Hand-built MySQL statements (see _mysql_join) use the
+                    # driver's own placeholder: "?" for MariaDB Connector/Python.
+                    self._ph = "?" if dialect.paramstyle == "qmark" else "%s"
+                    self._collation = _mysql_name_collation(dialect)
+                    self._pad_space = self._collation == "utf8mb4_bin"
             except BaseException:
                 engine.dispose()
                 raise
@@ -447,31 +489,31 @@ class ClaimStore:
     def _prepare_schema(self, engine: Engine) -> None:
         attempts = 4
         for attempt in range(1, attempts + 1):
-            try:
-                with self._connection(engine, write=True) as conn, conn.begin():
-                    self._check_version(conn)
-                    metadata.create_all(conn, checkfirst=True)
-                    self._insert_if_absent(
-                        conn, meta_table, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}], ["key"]
-                    )
-                    self._insert_if_absent(
-                        conn,
-                        leader_table,
-                        [{"id": 1, "term": 0, "node": None, "updated_at": _utcnow()}],
-                        ["id"],
-                    )
-                    # A concurrent opener may have stamped first: check again.
-                    self._check_version(conn)
-                return
-            except SchemaVersionError:
-                raise
-            except sa.exc.DBAPIError as exc:
-                # Another replica created a table between our "exists?" check
-                # and our CREATE; the next round sees it and skips it.
-                if attempt == attempts or exc.connection_invalidated:
-                    raise
-                logger.debug("schema creation raced another node (%s); retrying", exc.orig)
-                time.sleep(0.1 * attempt + random.random() * 0.1)
+            # Failing to connect is not a race: let it propagate at once.
+            with self._connection(engine, write=True) as conn:
+                try:
+                    with conn.begin():
+                        self._check_version(conn)
+                        metadata.create_all(conn, checkfirst=True)
+                        self._insert_if_absent(
+                            conn, meta_table, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}], ["key"]
+                        )
+                        self._insert_if_absent(
+                            conn,
+                            leader_table,
+                            [{"id": 1, "term": 0, "node": None, "updated_at": _utcnow()}],
+                            ["id"],
+                        )
+                        # A concurrent opener may have stamped first: check again.
+                        self._check_version(conn)
+                    return
+                except sa.exc.DBAPIError as exc:
+                    # Another replica created a table between our "exists?"
+                    # check and our CREATE; the next round sees it and skips it.
+                    if attempt == attempts or exc.connection_invalidated:
+                        raise
+                    logger.debug("schema creation raced another node (%s); retrying", exc.orig)
+            time.sleep(0.1 * attempt + random.random() * 0.1)
 
     def _check_version(self, conn: Connection) -> None:
         if not sa.inspect(conn).has_table(meta_table.name):
@@ -597,16 +639,27 @@ class ClaimStore:
 
     _KEY_TYPES = {"schedule": "s", "scheduled_at": "t", "node": "s", "claimed_at": "t", "task_id": "s"}
 
-    def _pg_keys(self, cols: Sequence[str], keys: Sequence[tuple[Any, ...]]) -> Any:
-        """unnest() of one array parameter per column: a table of *keys* (PostgreSQL)."""
+    @staticmethod
+    def _pg_unnest(table: sa.Table, cols: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> Any:
+        """unnest() of one array parameter per column: *rows* as a table (PostgreSQL).
+
+        A few array parameters instead of one parameter per value: psycopg
+        binds them and the server parses and plans them far faster.
+        """
         params = []
         columns = []
         for i, col in enumerate(cols):
-            if self._KEY_TYPES[col] == "t":
-                values = [_naive_utc(k[i]) for k in keys]
-                item_type: sa.types.TypeEngine[Any] = sa.DateTime()
+            col_type = table.c[col].type
+            values = [r[i] for r in rows]
+            item_type: sa.types.TypeEngine[Any]
+            if isinstance(col_type, UTCDateTime):
+                values = [None if v is None else _naive_utc(v) for v in values]
+                item_type = sa.DateTime()
+            elif isinstance(col_type, sa.Integer):
+                item_type = sa.BigInteger()
+            elif isinstance(col_type, sa.Text):
+                item_type = sa.Text()
             else:
-                values = [k[i] for k in keys]
                 item_type = sa.String()
             params.append(sa.bindparam(f"k_{col}", values, type_=pg_dialect.ARRAY(item_type)))
             columns.append(sa.column(col, item_type))
@@ -640,11 +693,12 @@ class ClaimStore:
 
     def _mysql_join(self, cols: Sequence[str], keys: Sequence[tuple[Any, ...]]) -> tuple[str, list[Any]]:
         """``cluster_beat_claims AS c JOIN (<keys>) AS k ON ...`` and its parameters (MySQL)."""
+        ph = self._ph
         exprs = [
             # Compare names byte for byte like the column does; pin the
             # charset too so a non-utf8mb4 connection cannot break COLLATE.
-            "CONVERT(%s USING utf8mb4) COLLATE utf8mb4_bin" if self._KEY_TYPES[col] == "s"
-            else "CAST(%s AS DATETIME(6))"
+            f"CONVERT({ph} USING utf8mb4) COLLATE {self._collation}" if self._KEY_TYPES[col] == "s"
+            else f"CAST({ph} AS DATETIME(6))"
             for col in cols
         ]
         first = "SELECT " + ", ".join(f"{e} AS {col}" for e, col in zip(exprs, cols))
@@ -656,9 +710,30 @@ class ClaimStore:
         ]
         return f"{claims_table.name} AS c JOIN ({derived}) AS k ON {on}", params
 
-    def _token_rows(self, conn: Connection, token: str, columns: Sequence[sa.Column[Any]]) -> list[Any]:
-        # The op_token index makes this a short range scan.
-        return list(conn.execute(sa.select(*columns).where(claims_table.c.op_token == token)))
+    def _token_rows(
+        self,
+        conn: Connection,
+        token: str,
+        cols: Sequence[str],
+        keys: Sequence[tuple[Any, ...]],
+        columns: Sequence[sa.Column[Any]],
+    ) -> list[tuple[Any, ...]]:
+        """*columns* of the rows among *keys* that the statement with *token* wrote."""
+        c = claims_table
+        if self._mysql:
+            join, params = self._mysql_join(cols, keys)
+            params.append(token)
+            result = conn.exec_driver_sql(
+                f"SELECT {', '.join('c.' + col.name for col in columns)} FROM {join} WHERE c.op_token = {self._ph}",
+                tuple(params),
+            )
+            aware = [isinstance(col.type, UTCDateTime) for col in columns]
+            return [
+                tuple(v.replace(tzinfo=timezone.utc) if a and v is not None else v for v, a in zip(row, aware))
+                for row in result
+            ]
+        stmt = sa.select(*columns).where(*self._key_match(cols, keys), c.c.op_token == token)
+        return [tuple(row) for row in conn.execute(stmt)]
 
     def _update_by_keys(
         self,
@@ -670,25 +745,37 @@ class ClaimStore:
         values: dict[str, Any],
         increment: Sequence[str] = (),
         returning: Sequence[sa.Column[Any]],
+        expected: Sequence[tuple[Any, ...]],
     ) -> list[Any]:
         """UPDATE the claim rows whose *cols* equal one of *keys* (and
         ``col = value`` for *where*), set *values*, add 1 to *increment*;
-        return *returning* of exactly the rows changed."""
+        return *returning* of exactly the rows changed.
+
+        *expected* holds the *returning* values of all *keys* (same order):
+        the answer when every key matched, which saves MySQL a SELECT.
+        """
         c = claims_table
         token = uuid.uuid4().hex
         if self._mysql:
             join, params = self._mysql_join(cols, keys)
-            sets = [f"c.{col} = %s" for col in values] + [f"c.{col} = c.{col} + 1" for col in increment]
-            sets.append("c.op_token = %s")
-            conds = [f"c.{col} = %s" for col in where]
+            ph = self._ph
+            sets = [f"c.{col} = {ph}" for col in values] + [f"c.{col} = c.{col} + 1" for col in increment]
+            sets.append(f"c.op_token = {ph}")
+            conds = [f"c.{col} = {ph}" for col in where]
             params += [_naive_utc(v) if isinstance(v, datetime) else v for v in values.values()]
             params.append(token)
             params += list(where.values())
             sql = f"UPDATE {join} SET {', '.join(sets)}"
             if conds:
                 sql += " WHERE " + " AND ".join(conds)
-            conn.exec_driver_sql(sql, tuple(params))
-            return self._token_rows(conn, token, returning)
+            result = conn.exec_driver_sql(sql, tuple(params))
+            # Affected rows count matched rows here (SQLAlchemy connects with
+            # CLIENT_FOUND_ROWS): all keys matched, or none did, is exact.
+            if result.rowcount == len(keys):
+                return list(expected)
+            if result.rowcount == 0:
+                return []
+            return self._token_rows(conn, token, cols, keys, returning)
         full = dict(values, op_token=token)
         for col in increment:
             full[col] = c.c[col] + 1
@@ -700,7 +787,7 @@ class ClaimStore:
         if self._returning:
             return list(conn.execute(stmt.returning(*returning)))
         conn.execute(stmt)
-        return self._token_rows(conn, token, returning)
+        return self._token_rows(conn, token, cols, keys, returning)
 
     def _delete_by_keys(self, conn: Connection, keys: Sequence[tuple[Any, ...]]) -> int:
         """Delete finished (not ``claimed``) rows among *keys*."""
@@ -731,7 +818,14 @@ class ClaimStore:
         for row in rows:
             row["updated_at"] = now
         t = schedules_table
-        stmt = self._dialect_insert(t)
+        pg = not (self._mysql or self._sqlite)
+        if pg:
+            # One INSERT ... SELECT FROM unnest() instead of a row each.
+            cols = list(rows[0])
+            k = self._pg_unnest(t, cols, [tuple(r[col] for col in cols) for r in rows])
+            stmt = pg_dialect.insert(t).from_select(cols, sa.select(*(k.c[col] for col in cols)))
+        else:
+            stmt = self._dialect_insert(t)
         new = stmt.inserted if self._mysql else stmt.excluded
         changes: dict[str, Any] = {}
         for col in add:
@@ -748,14 +842,25 @@ class ClaimStore:
             stmt = stmt.on_duplicate_key_update(changes)
         else:
             stmt = stmt.on_conflict_do_update(index_elements=["name"], set_=changes)
-        conn.execute(stmt, rows)
+        if pg:
+            conn.execute(stmt)
+        else:
+            conn.execute(stmt, rows)
 
-    @staticmethod
-    def _validate(occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+    def _validate(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
+        # Refuse what the columns cannot hold exactly: a truncated name would
+        # claim another schedule's key.
         unique = _unique(occurrences)
         for occ in unique:
             if not occ.schedule or len(occ.schedule) > 255:
                 raise ValueError(f"schedule name must have 1 to 255 characters: {occ.schedule!r}")
+            if len(occ.task_id) > 36:
+                raise ValueError(f"task id longer than 36 characters for {occ.schedule!r}: {occ.task_id!r}")
+            if self._pad_space and occ.schedule.endswith(" "):
+                raise ValueError(
+                    f"schedule name {occ.schedule!r} ends with a space, which this MySQL server's "
+                    "collation ignores (it would share claims with the name without it)"
+                )
         return unique
 
     # ------------------------------------------------------------------ claiming
@@ -790,6 +895,7 @@ class ClaimStore:
             raise ValueError(f"record() status must be 'skipped' or 'missed', not {status!r}")
         if not reason:
             raise ValueError("record() needs a reason (e.g. 'overlap', 'catchup')")
+        reason = _clip(str(reason))
         return self._insert(occurrences, status=status, reason=reason, term=term)
 
     def _insert_claims(
@@ -800,15 +906,44 @@ class ClaimStore:
         now = _utcnow()
         token = uuid.uuid4().hex
         won: set[tuple[str, datetime]] = set()
-        if self._mysql or self._sqlite:
-            stmt = self._dialect_insert(c)
-            if self._mysql:
-                # No-op ON DUPLICATE KEY UPDATE, not INSERT IGNORE: see _insert_if_absent.
-                stmt = stmt.on_duplicate_key_update(schedule=c.c.schedule)
-            else:
-                stmt = stmt.on_conflict_do_nothing(index_elements=["schedule", "scheduled_at"])
-                if self._returning:
-                    stmt = stmt.returning(c.c.schedule, c.c.scheduled_at)
+        key_cols = ("schedule", "scheduled_at")
+        if self._mysql:
+            # The values shared by every row travel once, as session
+            # variables, so each row binds only its own three: the driver
+            # escapes a third as many values.
+            ph = self._ph
+            conn.exec_driver_sql(
+                f"SET @ccb_claimed_at = {ph}, @ccb_node = {ph}, @ccb_term = {ph}, "
+                f"@ccb_status = {ph}, @ccb_reason = {ph}, @ccb_token = {ph}",
+                (_naive_utc(now), self.node_id, term, status, reason, token),
+            )
+            row = f"({ph}, {ph}, @ccb_claimed_at, @ccb_node, @ccb_term, {ph}, @ccb_status, @ccb_reason, 0, @ccb_token)"
+            head = (
+                f"INSERT IGNORE INTO {c.name} (schedule, scheduled_at, claimed_at, node, term, task_id, "
+                "status, reason, attempts, op_token) VALUES "
+            )
+            for chunk in _chunks(ordered, CHUNK):
+                params = [v for o in chunk for v in (o.schedule, _naive_utc(o.at), o.task_id)]
+                # INSERT IGNORE, because its affected-rows count is exactly
+                # the number of rows inserted (ON DUPLICATE KEY UPDATE counts
+                # a duplicate too): when a chunk was all new or all taken we
+                # know which rows we won without selecting them. IGNORE also
+                # downgrades data errors to warnings; _validate() rules those
+                # out before we get here.
+                result = conn.exec_driver_sql(head + ", ".join([row] * len(chunk)), tuple(params))
+                if result.rowcount == len(chunk):
+                    won.update(_key(occ) for occ in chunk)
+                elif result.rowcount:
+                    # Another node won some of the chunk meanwhile: ask which rows are ours.
+                    keys = [_key(occ) for occ in chunk]
+                    won.update(
+                        (r[0], r[1])
+                        for r in self._token_rows(conn, token, key_cols, keys, (c.c.schedule, c.c.scheduled_at))
+                    )
+        elif self._sqlite:
+            stmt = sqlite_dialect.insert(c).on_conflict_do_nothing(index_elements=list(key_cols))
+            if self._returning:
+                stmt = stmt.returning(c.c.schedule, c.c.scheduled_at)
             for chunk in _chunks(ordered, CHUNK):
                 rows = [
                     {
@@ -825,18 +960,23 @@ class ClaimStore:
                     }
                     for occ in chunk
                 ]
-                # executemany: batched into multi-row INSERTs (SQLAlchemy's
-                # insertmanyvalues for SQLite, PyMySQL's own rewrite for MySQL).
+                # executemany: SQLAlchemy's insertmanyvalues sends multi-row INSERTs.
                 result = conn.execute(stmt, rows)
                 if self._returning:
                     won.update((r[0], r[1]) for r in result)
+                else:  # SQLite older than 3.35
+                    keys = [_key(occ) for occ in chunk]
+                    won.update(
+                        (r[0], r[1])
+                        for r in self._token_rows(conn, token, key_cols, keys, (c.c.schedule, c.c.scheduled_at))
+                    )
         else:
             # PostgreSQL: INSERT ... SELECT FROM unnest(arrays): three array
-            # parameters per chunk instead of eleven scalars per row, which
-            # psycopg binds and the server plans several times faster.
+            # parameters per chunk instead of ten per row, which psycopg
+            # binds and the server plans several times faster.
             for chunk in _chunks(ordered, CHUNK):
-                k = self._pg_keys(
-                    ("schedule", "scheduled_at", "task_id"), [(o.schedule, o.at, o.task_id) for o in chunk]
+                k = self._pg_unnest(
+                    c, ("schedule", "scheduled_at", "task_id"), [(o.schedule, o.at, o.task_id) for o in chunk]
                 )
                 select = sa.select(
                     k.c.schedule,
@@ -857,13 +997,10 @@ class ClaimStore:
                          "status", "reason", "attempts", "op_token"],
                         select,
                     )
-                    .on_conflict_do_nothing(index_elements=["schedule", "scheduled_at"])
+                    .on_conflict_do_nothing(index_elements=list(key_cols))
                     .returning(c.c.schedule, c.c.scheduled_at)
                 )
                 won.update((r[0], r[1]) for r in conn.execute(stmt))
-            return won
-        if not self._returning:
-            won.update((r[0], r[1]) for r in self._token_rows(conn, token, (c.c.schedule, c.c.scheduled_at)))
         return won
 
     def _insert(
@@ -924,6 +1061,7 @@ class ClaimStore:
                         values={"status": "sent", "sent_at": now},
                         increment=("attempts",),
                         returning=(c.c.schedule, c.c.scheduled_at, c.c.task_id),
+                        expected=[(o.schedule, o.at, o.task_id) for o in chunk],
                     )
                 )
             per: dict[str, dict[str, Any]] = {}
@@ -949,9 +1087,7 @@ class ClaimStore:
         (``failed``). Returns False when this node no longer owns the
         claimed row (nothing recorded then).
         """
-        error = str(error)
-        if len(error) > _MAX_ERROR_CHARS:
-            error = error[: _MAX_ERROR_CHARS - 3] + "..."
+        error = _clip(str(error))
         c = claims_table
 
         def work(conn: Connection) -> bool:
@@ -959,6 +1095,8 @@ class ClaimStore:
             values: dict[str, Any] = {"reason": error, "attempts": c.c.attempts + 1}
             if final:
                 values["status"] = "failed"
+            else:  # still ours and being retried: keep the row from looking abandoned to sweepers
+                values["claimed_at"] = now
             result = conn.execute(
                 sa.update(claims_table)
                 .where(
@@ -997,7 +1135,7 @@ class ClaimStore:
         def work(conn: Connection) -> list[Occurrence]:
             self._fence(conn, term)
             query = (
-                sa.select(c.c.schedule, c.c.scheduled_at, c.c.node, c.c.claimed_at)
+                sa.select(c.c.schedule, c.c.scheduled_at, c.c.node, c.c.claimed_at, c.c.task_id)
                 .where(c.c.status == "claimed", c.c.claimed_at < cutoff)
                 .order_by(c.c.claimed_at, c.c.schedule, c.c.scheduled_at)
                 .limit(limit)
@@ -1013,10 +1151,11 @@ class ClaimStore:
             stale = conn.execute(query).all()
             if not stale:
                 return []
-            keys = sorted((r[0], r[1], r[2], r[3]) for r in stale)
+            stale = sorted(stale)
             now = _utcnow()
             taken: list[Any] = []
-            for chunk in _chunks(keys, CHUNK):
+            for rows in _chunks(stale, CHUNK):
+                chunk = [(r[0], r[1], r[2], r[3]) for r in rows]
                 taken.extend(
                     self._update_by_keys(
                         conn,
@@ -1025,6 +1164,7 @@ class ClaimStore:
                         where={"status": "claimed"},
                         values={"node": self.node_id, "claimed_at": now, "term": term},
                         returning=(c.c.schedule, c.c.scheduled_at, c.c.task_id),
+                        expected=[(r[0], r[1], r[4]) for r in rows],
                     )
                 )
             per: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,261 @@
+"""Overlap guard: do not start a schedule's run while its previous run is in flight.
+
+"In flight" is read from Celery's result backend, for due schedules only
+(never per tick for idle ones), in one batched read where the backend allows
+it (one MGET on a key-value backend such as Redis, one SELECT on the database
+backend). The last sent task id per schedule lives in SQL, so a new leader
+honours the guard of the old one.
+
+Policies (Temporal's names in brackets): ``skip`` [Skip], ``allow``
+[AllowAll], ``buffer_one`` [BufferOne], ``replace`` [TerminateOther].
+
+How the previous run's state is read:
+
+* RECEIVED, STARTED, RETRY (or a custom progress state): in flight.
+* PENDING: in flight while younger than ``max_run_time`` (it may be queued,
+  or running without ``task_track_started``); older, it is "unknown" (the
+  result expired or was never stored) and no longer blocks, quietly.
+* SUCCESS, FAILURE, REVOKED, IGNORED: finished.
+* The backend cannot be read: fail open (the run is sent), with a warning.
+* No result backend at all: every run reads as PENDING, so a guarded
+  schedule runs at most once per ``max_run_time`` (a start-up warning says so).
+
+The watchdog: a run still *in flight* past ``max_run_time`` (a hung task, or a
+worker that died with it STARTED) no longer blocks: the next fire goes through,
+a warning is logged and ``watchdog_fired`` is sent, once per run. Under
+``replace`` such a run is revoked like any other.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from celery import states as celery_states
+
+from . import signals
+from .entries import Entry
+from .occurrence import Occurrence
+from .settings import Settings
+
+logger = logging.getLogger("celery_cluster_beat.guard")
+
+#: States after which the previous run no longer blocks.
+FINISHED = frozenset(celery_states.READY_STATES) | {celery_states.IGNORED}
+#: How often a buffered occurrence re-reads its predecessor's state (seconds).
+BUFFER_POLL = 0.25
+
+#: Verdicts on the previous run of a schedule.
+FREE = "free"  # finished, unknown-and-old, never sent, or unreadable (fail open)
+BUSY = "busy"  # in flight, younger than max_run_time
+OVERDUE = "overdue"  # in flight past max_run_time: the watchdog lets the next fire through
+
+Pair = Tuple[Entry, Occurrence]
+
+
+@dataclass
+class GuardDecision:
+    send: List[Pair] = field(default_factory=list)
+    skipped: List[Pair] = field(default_factory=list)
+    buffered: List[Pair] = field(default_factory=list)
+    #: occurrence to send -> task id of the run it replaces (revoke it once the claim is ours)
+    replaces: Dict[Occurrence, str] = field(default_factory=dict)
+
+
+@dataclass
+class _LastRun:
+    task_id: str
+    sent_at: datetime
+    watchdog_fired: bool = False
+
+
+class OverlapGuard:
+    def __init__(self, app, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self._last: Dict[str, _LastRun] = {}
+        self._buffer: Dict[str, Pair] = {}
+        self._next_poll = 0.0
+        self._backend_warned_at = float("-inf")
+
+    def policy(self, entry: Entry) -> str:
+        return entry.overlap or self.settings.overlap
+
+    def max_run_time(self, entry: Entry) -> float:
+        return entry.max_run_time if entry.max_run_time is not None else self.settings.max_run_time
+
+    # -- start-up ------------------------------------------------------------------
+    def warn_about_configuration(self, entries: Iterable[Entry]) -> None:
+        """Say clearly when a guard policy cannot see what it needs to."""
+        guarded = sorted(e.name for e in entries if self.policy(e) != "allow")
+        if not guarded:
+            return
+        from .scheduler import has_result_backend
+
+        names = ", ".join(guarded[:5]) + (" ..." if len(guarded) > 5 else "")
+        if not has_result_backend(self.app):
+            logger.warning(
+                "cluster-beat: overlap guard on %s but the app has no result backend: every run looks PENDING, "
+                "so each blocks the next one for max_run_time (%gs) whether it finished or not. "
+                "Configure result_backend, or set overlap='allow'.", names, self.settings.max_run_time)
+        elif not self.app.conf.task_track_started:
+            logger.warning(
+                "cluster-beat: overlap guard on %s with task_track_started=False: a running task is stored "
+                "as PENDING, not STARTED, so it counts as in flight only until max_run_time (%gs). "
+                "Set task_track_started=True for the guard to see long runs.", names, self.settings.max_run_time)
+
+    def load(self, states) -> None:
+        """Adopt the last sent run of each schedule from the store (a new leader inherits them)."""
+        for st in states:
+            if st.last_task_id and st.last_sent_at is not None:
+                current = self._last.get(st.name)
+                if current is None or current.sent_at < st.last_sent_at:
+                    self._last[st.name] = _LastRun(st.last_task_id, st.last_sent_at)
+
+    def sent(self, entry: Entry, occ: Occurrence) -> None:
+        self._last[entry.name] = _LastRun(occ.task_id, datetime.now(timezone.utc))
+
+    # -- result state ----------------------------------------------------------------
+    def _states(self, task_ids: Sequence[str]) -> Dict[str, Optional[str]]:
+        """Task id -> state, in one round trip where the backend allows it.
+
+        PENDING for an id the backend does not know; None for every id when the
+        backend cannot be read (the caller fails open).
+        """
+        if not task_ids:
+            return {}
+        from .scheduler import has_result_backend
+
+        if not has_result_backend(self.app):
+            return {t: celery_states.PENDING for t in task_ids}
+        try:
+            return self._read_states(self.app.backend, list(task_ids))
+        except Exception as exc:  # backend down: fail open, a run is not blocked by an unknown
+            mono = time.monotonic()
+            if mono - self._backend_warned_at >= 60:
+                self._backend_warned_at = mono
+                logger.warning("cluster-beat: cannot read task states from the result backend, "
+                               "overlap guard open: %r", exc)
+            return {t: None for t in task_ids}
+
+    @staticmethod
+    def _read_states(backend, task_ids: List[str]) -> Dict[str, str]:
+        pending = celery_states.PENDING
+        if hasattr(backend, "get_key_for_task") and hasattr(backend, "mget"):
+            try:  # key-value backends (Redis: one MGET)
+                values = backend.mget([backend.get_key_for_task(t) for t in task_ids])
+            except NotImplementedError:
+                pass
+            else:
+                # decode(), not decode_result(): the status is all we need, no exception rebuilding.
+                return {t: (backend.decode(raw) or {}).get("status", pending) if raw else pending
+                        for t, raw in zip(task_ids, values)}
+        task_cls = getattr(backend, "task_cls", None)
+        if task_cls is not None and hasattr(backend, "ResultSession"):  # database backend: one SELECT
+            session = backend.ResultSession()
+            try:
+                rows = session.query(task_cls.task_id, task_cls.status).filter(task_cls.task_id.in_(task_ids)).all()
+                session.rollback()  # read only: end the transaction, keep no locks or snapshot
+            finally:
+                session.close()
+            found = {tid: status for tid, status in rows}
+            return {t: found.get(t) or pending for t in task_ids}
+        return {t: backend._get_task_meta_for(t).get("status", pending) for t in task_ids}
+
+    def _assess(self, entry: Entry, last: Optional[_LastRun], state: Optional[str], now: datetime) -> str:
+        if last is None or state is None or state in FINISHED:
+            return FREE
+        age = (now - last.sent_at).total_seconds()
+        limit = self.max_run_time(entry)
+        if age < limit:
+            return BUSY  # PENDING (young), RECEIVED, STARTED, RETRY or a custom progress state
+        if state == celery_states.PENDING:
+            # Unknown and old: the result expired or was never stored (ignore_result, no
+            # task_track_started): nothing says it still runs.
+            logger.debug("cluster-beat: %s: previous run %s is PENDING after %.0fs; treated as finished",
+                         entry.name, last.task_id, age)
+            return FREE
+        if not last.watchdog_fired:
+            last.watchdog_fired = True
+            logger.warning("cluster-beat: watchdog: %s: previous run %s is still %s after %.0fs "
+                           "(max_run_time %gs); no longer blocking the schedule",
+                           entry.name, last.task_id, state, age, limit)
+            signals.watchdog_fired.send(sender=self, schedule=entry.name, task_id=last.task_id, age=age)
+        return OVERDUE
+
+    def filter(self, candidates: Sequence[Pair], now: datetime) -> GuardDecision:
+        """Split due occurrences into send / skip / buffer (one state read for all)."""
+        decision = GuardDecision()
+        guarded = [(e, o) for e, o in candidates if self.policy(e) != "allow"]
+        if not guarded:
+            decision.send = list(candidates)
+            return decision
+        states = self._states(sorted({self._last[e.name].task_id for e, _ in guarded if e.name in self._last}))
+        verdicts: Dict[str, str] = {}
+        taken: set = set()  # entries with an occurrence already sent in this batch
+        for entry, occ in candidates:
+            policy = self.policy(entry)
+            if policy == "allow":
+                decision.send.append((entry, occ))
+                continue
+            name = entry.name
+            last = self._last.get(name)
+            if name not in verdicts:
+                verdicts[name] = self._assess(entry, last, states.get(last.task_id) if last else None, now)
+            verdict = verdicts[name]
+            if name in taken:
+                # Catch-up sends several at once: the guard lets the first through only.
+                verdict = BUSY
+            elif name in self._buffer:
+                verdict = BUSY  # an earlier occurrence waits in the buffer and goes first
+            if policy == "replace" and name not in taken and verdict != FREE:
+                taken.add(name)
+                decision.replaces[occ] = last.task_id
+                decision.send.append((entry, occ))
+            elif verdict != BUSY:
+                taken.add(name)
+                decision.send.append((entry, occ))
+            elif policy == "buffer_one" and name not in self._buffer:
+                self._buffer[name] = (entry, occ)
+                decision.buffered.append((entry, occ))
+            else:
+                decision.skipped.append((entry, occ))
+        return decision
+
+    # -- buffer_one --------------------------------------------------------------------
+    def has_buffered(self) -> bool:
+        return bool(self._buffer) and time.monotonic() >= self._next_poll
+
+    def next_check_in(self) -> Optional[float]:
+        if not self._buffer:
+            return None
+        return max(0.0, self._next_poll - time.monotonic())
+
+    def ready(self, now: datetime) -> List[Pair]:
+        """Buffered occurrences whose previous run has finished (or timed out)."""
+        self._next_poll = time.monotonic() + BUFFER_POLL
+        if not self._buffer:
+            return []
+        ids = sorted({self._last[name].task_id for name in self._buffer if name in self._last})
+        states = self._states(ids)
+        out: List[Pair] = []
+        for name, (entry, occ) in list(self._buffer.items()):
+            last = self._last.get(name)
+            state = states.get(last.task_id) if last else None
+            if self._assess(entry, last, state, now) != BUSY:
+                del self._buffer[name]
+                out.append((entry, occ))
+        return out
+
+    def drop_buffered(self) -> None:
+        """Forget buffered occurrences (this node stopped being the leader)."""
+        self._buffer.clear()
+
+    def revoke(self, task_id: str) -> None:
+        """Terminate the run being replaced (``replace`` policy)."""
+        try:
+            self.app.control.revoke(task_id, terminate=True)
+        except Exception as exc:
+            logger.error("cluster-beat: revoking %s failed: %r", task_id, exc)

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from celery import states as celery_states
 
@@ -72,9 +72,12 @@ class _LastRun:
 
 
 class OverlapGuard:
-    def __init__(self, app, settings: Settings) -> None:
+    def __init__(self, app, settings: Settings, refresh: Optional[Callable[[List[str]], Iterable]] = None) -> None:
         self.app = app
         self.settings = settings
+        #: Without a lease every replica may send any fire, so before deciding, the guard re-reads
+        #: the last sent run of the due schedules from the store (``ClaimStore.schedule_states``).
+        self.refresh = refresh
         self._last: Dict[str, _LastRun] = {}
         self._buffer: Dict[str, Pair] = {}
         self._next_poll = 0.0
@@ -192,6 +195,8 @@ class OverlapGuard:
         if not guarded:
             decision.send = list(candidates)
             return decision
+        if self.refresh is not None:  # may raise the store's error: the caller retries the whole batch
+            self.load(self.refresh(sorted({e.name for e, _ in guarded})))
         states = self._states(sorted({self._last[e.name].task_id for e, _ in guarded if e.name in self._last}))
         verdicts: Dict[str, str] = {}
         taken: set = set()  # entries with an occurrence already sent in this batch

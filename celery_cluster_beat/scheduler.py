@@ -146,6 +146,8 @@ class Scheduler(beat.Scheduler):
             f"{mask_url(s.redis_url)} (ttl {s.lock_ttl:g}s)" if s.redis_url else "off (replicas race on claims)",
         )
         if self._lease is None:
+            # Replicas race for every fire: the guard must see the runs the other replicas sent.
+            self._guard.refresh = self._store.schedule_states
             self._activate()
 
     def get_schedule(self) -> Dict[str, Entry]:

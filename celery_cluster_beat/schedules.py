@@ -228,12 +228,15 @@ def as_schedule(value: Any, app=None) -> ClusterSchedule:
     * ``crontab`` keeps its field sets and Celery's AND rule for the two day
       fields, in the crontab's own zone (``c.tz``) or the app's;
     * ``schedule``, ``timedelta`` and plain seconds become :class:`every` on the
-      epoch grid (Celery counts from the last run; we do not).
+      epoch grid (Celery counts from the last run; we do not);
+    * a string is read as a cron expression in the app's zone.
     """
     if isinstance(value, ClusterSchedule):
         if app is not None and value._app is None:
             value.app = app
         return value
+    if isinstance(value, str):  # a cron expression written as text: checked here, field by field
+        return cron(value, app=app)
     if isinstance(value, celery_schedules.crontab):
         return cron.from_crontab(value, app=app)
     if isinstance(value, celery_schedules.schedule) and type(value) is celery_schedules.schedule:
@@ -241,6 +244,6 @@ def as_schedule(value: Any, app=None) -> ClusterSchedule:
     if isinstance(value, timedelta) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return every(value, app=app)
     raise ScheduleError(
-        f"schedule {value!r} is not supported: use cron(), every(), celery's crontab or schedule, "
-        "a timedelta or a number of seconds"
+        f"schedule {value!r} is not supported: use cron(), every(), a cron expression string, "
+        "celery's crontab or schedule, a timedelta or a number of seconds"
     )

@@ -34,7 +34,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql as mysql_dialect
@@ -63,9 +63,10 @@ SCHEMA_VERSION = 1
 
 STATUSES = ("claimed", "sent", "skipped", "missed", "failed")
 
-#: Rows per INSERT/UPDATE statement. 1,000 rows x 11 columns stays well under
-#: every dialect's bind-parameter limit (SQLAlchemy splits further for old
-#: SQLite builds limited to 999) and keeps each statement's lock set small.
+#: Rows per INSERT/UPDATE/DELETE statement: few round trips, a bounded lock
+#: set per statement, and well under the servers' bind-parameter limits
+#: (PostgreSQL binds arrays, MySQL three values a row). SQLite builds before
+#: 3.32 allow only 999 parameters; the store uses smaller batches there.
 CHUNK = 1000
 
 #: How often a transaction the server aborted as a deadlock victim is retried.
@@ -75,6 +76,8 @@ _DEADLOCK_ATTEMPTS = 4
 _MAX_ERROR_CHARS = 2000
 
 _SUPPORTED_BACKENDS = ("sqlite", "postgresql", "mysql", "mariadb")
+
+_PK = ("schedule", "scheduled_at")
 
 T = TypeVar("T")
 
@@ -95,6 +98,9 @@ class StaleTermError(RuntimeError):
             "claim database, so another node has become leader since; not claiming"
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling (multiprocessing, logging handlers)
+        return (type(self), (self.seen_term, self.term))
+
 
 class SchemaVersionError(ConfigError):
     """The database was written by a newer celery-cluster-beat than this one.
@@ -104,7 +110,7 @@ class SchemaVersionError(ConfigError):
     """
 
 
-class UTCDateTime(sa.types.TypeDecorator):
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
     """Naive UTC in the database, aware UTC in Python.
 
     Naive storage is the one representation that behaves the same in
@@ -149,14 +155,14 @@ def _mysql_name_collation(dialect: Any) -> str:
     return "utf8mb4_bin"  # PAD SPACE: ClaimStore rejects names ending in a space
 
 
-class NameType(sa.types.TypeDecorator):
+class NameType(sa.types.TypeDecorator[str]):
     """VARCHAR compared byte for byte in every dialect (see _mysql_name_collation)."""
 
     impl = sa.String
     cache_ok = True
 
     def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        length = self.impl.length
+        length = cast(sa.String, self.impl_instance).length
         if dialect.name in ("mysql", "mariadb"):
             return dialect.type_descriptor(
                 mysql_dialect.VARCHAR(length, charset="utf8mb4", collation=_mysql_name_collation(dialect))
@@ -168,7 +174,7 @@ def _name_type(length: int = 255) -> NameType:
     return NameType(length)
 
 
-_MYSQL_TABLE = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+_MYSQL_TABLE: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
 
 metadata = sa.MetaData()
 
@@ -325,8 +331,8 @@ def _is_deadlock(exc: sa.exc.DBAPIError) -> bool:
     sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     if sqlstate in ("40P01", "40001"):  # deadlock_detected, serialization_failure
         return True
-    args = getattr(orig, "args", ())
-    return bool(args) and args[0] == 1213  # ER_LOCK_DEADLOCK (MySQL/MariaDB)
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return len(args) > 0 and args[0] == 1213  # ER_LOCK_DEADLOCK (MySQL/MariaDB)
 
 
 class ClaimStore:
@@ -368,6 +374,7 @@ class ClaimStore:
         self._collation = ""  # name collation on MySQL, known once open
         self._ph = "%s"  # the MySQL driver's positional placeholder
         self._pad_space = False
+        self._batch = CHUNK  # keys per statement; less on an old SQLite
 
     def __repr__(self) -> str:
         return f"<ClaimStore {self.url_masked} node={self.node_id!r}>"
@@ -395,6 +402,10 @@ class ClaimStore:
                     and bool(dialect.insert_returning)
                     and bool(dialect.update_returning)
                 )
+                if self._sqlite:
+                    # Up to 4 key columns a row (take_over_stale), some room to spare.
+                    limit = int(getattr(dialect, "insertmanyvalues_max_parameters", 32766))
+                    self._batch = max(1, min(CHUNK, (limit - 16) // 4))
                 if self._mysql:
                     # Hand-built MySQL statements (see _mysql_join) use the
                     # driver's own placeholder: "?" for MariaDB Connector/Python.
@@ -665,7 +676,7 @@ class ClaimStore:
             columns.append(sa.column(col, item_type))
         return sa.func.unnest(*params).table_valued(*columns).render_derived(name="k")
 
-    def _key_match(self, cols: Sequence[str], keys: Sequence[tuple[Any, ...]]) -> list[sa.ColumnElement[bool]]:
+    def _key_match(self, cols: Sequence[str], keys: Sequence[tuple[Any, ...]]) -> list[Any]:
         """WHERE clauses (PostgreSQL, SQLite) restricting claim rows to *keys*."""
         c = claims_table
         if self._sqlite:
@@ -754,6 +765,7 @@ class ClaimStore:
         *expected* holds the *returning* values of all *keys* (same order):
         the answer when every key matched, which saves MySQL a SELECT.
         """
+        assert tuple(cols[:2]) == _PK
         c = claims_table
         token = uuid.uuid4().hex
         if self._mysql:
@@ -775,7 +787,7 @@ class ClaimStore:
                 return list(expected)
             if result.rowcount == 0:
                 return []
-            return self._token_rows(conn, token, cols, keys, returning)
+            return self._changed_rows(conn, token, keys, returning)
         full = dict(values, op_token=token)
         for col in increment:
             full[col] = c.c[col] + 1
@@ -787,7 +799,14 @@ class ClaimStore:
         if self._returning:
             return list(conn.execute(stmt.returning(*returning)))
         conn.execute(stmt)
-        return self._token_rows(conn, token, cols, keys, returning)
+        return self._changed_rows(conn, token, keys, returning)
+
+    def _changed_rows(
+        self, conn: Connection, token: str, keys: Sequence[tuple[Any, ...]], columns: Sequence[sa.Column[Any]]
+    ) -> list[tuple[Any, ...]]:
+        # Look the rows up by primary key only: the other key columns (the
+        # old node and claimed_at of take_over_stale) were just overwritten.
+        return self._token_rows(conn, token, _PK, [k[:2] for k in keys], columns)
 
     def _delete_by_keys(self, conn: Connection, keys: Sequence[tuple[Any, ...]]) -> int:
         """Delete finished (not ``claimed``) rows among *keys*."""
@@ -819,6 +838,7 @@ class ClaimStore:
             row["updated_at"] = now
         t = schedules_table
         pg = not (self._mysql or self._sqlite)
+        stmt: Any
         if pg:
             # One INSERT ... SELECT FROM unnest() instead of a row each.
             cols = list(rows[0])
@@ -941,10 +961,10 @@ class ClaimStore:
                         for r in self._token_rows(conn, token, key_cols, keys, (c.c.schedule, c.c.scheduled_at))
                     )
         elif self._sqlite:
-            stmt = sqlite_dialect.insert(c).on_conflict_do_nothing(index_elements=list(key_cols))
+            stmt: Any = sqlite_dialect.insert(c).on_conflict_do_nothing(index_elements=list(key_cols))
             if self._returning:
                 stmt = stmt.returning(c.c.schedule, c.c.scheduled_at)
-            for chunk in _chunks(ordered, CHUNK):
+            for chunk in _chunks(ordered, self._batch):
                 rows = [
                     {
                         "schedule": occ.schedule,
@@ -1010,7 +1030,6 @@ class ClaimStore:
         if not unique:
             return []
         ordered = sorted(unique, key=_key)  # same lock order in every replica
-        c = claims_table
 
         def work(conn: Connection) -> set[tuple[str, datetime]]:
             self._fence(conn, term)
@@ -1051,7 +1070,7 @@ class ClaimStore:
         def work(conn: Connection) -> int:
             now = _utcnow()
             changed: list[Any] = []
-            for chunk in _chunks(ordered, CHUNK):
+            for chunk in _chunks(ordered, self._batch):
                 changed.extend(
                     self._update_by_keys(
                         conn,
@@ -1154,7 +1173,7 @@ class ClaimStore:
             stale = sorted(stale)
             now = _utcnow()
             taken: list[Any] = []
-            for rows in _chunks(stale, CHUNK):
+            for rows in _chunks(stale, self._batch):
                 chunk = [(r[0], r[1], r[2], r[3]) for r in rows]
                 taken.extend(
                     self._update_by_keys(
@@ -1196,10 +1215,21 @@ class ClaimStore:
         )
         return {name: at for name, at in rows}
 
-    def schedule_states(self) -> list[ScheduleState]:
-        """Per-schedule state and counters, by name, for the status command."""
+    def schedule_states(self, names: Iterable[str] | None = None) -> list[ScheduleState]:
+        """Per-schedule state and counters, by name, for the status command (only *names*, if given)."""
         t = schedules_table
-        rows = self._run(lambda conn: conn.execute(sa.select(t).order_by(t.c.name)).all(), write=False)
+        if names is None:
+            rows = self._run(lambda conn: conn.execute(sa.select(t).order_by(t.c.name)).all(), write=False)
+        else:
+            wanted = sorted(set(names))
+
+            def read(conn: Connection) -> list[Any]:
+                out: list[Any] = []
+                for chunk in _chunks(wanted, self._batch):
+                    out.extend(conn.execute(sa.select(t).where(t.c.name.in_(chunk)).order_by(t.c.name)).all())
+                return out
+
+            rows = self._run(read, write=False) if wanted else []
         return [ScheduleState(**row._asdict()) for row in rows]
 
     def claims(
@@ -1250,7 +1280,7 @@ class ClaimStore:
             if not keys:
                 return 0, 0
             removed = 0
-            for chunk in _chunks([tuple(k) for k in keys], CHUNK):
+            for chunk in _chunks([tuple(k) for k in keys], self._batch):
                 removed += self._delete_by_keys(conn, chunk)
             return len(keys), removed
 

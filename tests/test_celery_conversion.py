@@ -166,10 +166,21 @@ def _solar_without_ephem() -> solar:
     return s
 
 
-@pytest.mark.parametrize("value", [_solar_without_ephem(), "*/5 * * * *", "every 5 minutes", None, object()],
-                         ids=["solar", "cron-string", "text", "None", "object"])
+def test_a_string_is_read_as_a_cron_expression():
+    """`"schedule": "*/5 * * * *"` means cron("*/5 * * * *") in the app's zone."""
+    assert as_schedule("*/5 * * * *") == cron("*/5 * * * *")
+
+
+def test_a_bad_cron_string_names_its_field():
+    """A string goes through the cron parser, so its error names the field like cron() does."""
+    with pytest.raises(ScheduleError, match=r"cron '61 \* \* \* \*': minute"):
+        as_schedule("61 * * * *")
+
+
+@pytest.mark.parametrize("value", [_solar_without_ephem(), "every 5 minutes", None, object()],
+                         ids=["solar", "text", "None", "object"])
 def test_anything_else_is_refused(value):
-    """Schedules we cannot reproduce exactly (solar), strings and other objects raise ScheduleError."""
+    """Schedules we cannot reproduce exactly (solar), free text and other objects raise ScheduleError."""
     with pytest.raises(ScheduleError):
         as_schedule(value)
 

@@ -458,30 +458,46 @@ def test_a_new_leader_honours_the_guard_of_the_old_one(cluster, redis_url, pg_ur
 @pytest.mark.timeout(60)
 def test_result_states_are_read_for_due_schedules_only_in_one_mget(redis_url, tmp_path):
     """The scheduler in-process (real Redis broker and result backend, SQLite claims): 200
-    hourly entries idle while three every-second entries fall due together. Each due second
-    reads the three previous runs' states in ONE MGET; idle entries are never looked up."""
+    yearly entries, each with a previous run on record, stay idle while three every-second
+    entries fall due together. Each due second reads the three previous runs' states in ONE
+    MGET; the idle entries' runs are never looked up."""
     from celery import Celery
 
-    from celery_cluster_beat import every
+    from celery_cluster_beat import cron, every
+    from celery_cluster_beat.occurrence import Occurrence
     from celery_cluster_beat.scheduler import Scheduler
 
+    db_url = f"sqlite:///{tmp_path}/claims.sqlite3"
     queue = "q_ccb_lookup_" + uuid.uuid4().hex[:8]
     due = [name(f"due{i}") for i in range(3)]
+    idle = [name(f"idle{i}") for i in range(200)]
     schedule = {n: {"task": "t.nothing", "schedule": every(1)} for n in due}
-    schedule.update({name(f"idle{i}"): {"task": "t.nothing", "schedule": every(3600)} for i in range(200)})
+    schedule.update({n: {"task": "t.nothing", "schedule": cron("0 0 1 1 *")} for n in idle})
+    # The idle entries ran last New Year (as far as the store knows): the guard knows their task ids.
+    new_year = datetime(datetime.now(UTC).year, 1, 1, tzinfo=UTC)
+    seed = ClaimStore(db_url, node_id="seed")
+    seed.open()
+    seeded = seed.claim([Occurrence(n, new_year) for n in idle])
+    seed.mark_sent(seeded)
+    seed.close()
+    idle_ids = {o.task_id for o in seeded}
+    assert len(idle_ids) == 200
+
     app = Celery("lookups", broker=redis_url, backend=redis_url)
     app.conf.update(task_default_queue=queue, task_track_started=True, beat_schedule=schedule,
-                    cluster_beat_db_url=f"sqlite:///{tmp_path}/claims.sqlite3", cluster_beat_redis_url="")
+                    cluster_beat_db_url=db_url, cluster_beat_redis_url="")
     backend = app.backend
-    calls: List[list] = []
+    prefix = backend.task_keyprefix.decode()
+    calls: List[List[str]] = []
     real_mget, real_get = backend.mget, backend.get
 
     def mget(keys):
-        calls.append([k.decode() if isinstance(k, bytes) else k for k in keys])
+        calls.append([(k.decode() if isinstance(k, bytes) else k)[len(prefix):] for k in keys])
         return real_mget(keys)
 
     def get(key):  # pragma: no cover - must not happen
-        raise AssertionError(f"single GET {key!r}: states must be read in one batch")
+        calls.append(["single GET " + repr(key)])
+        return real_get(key)
 
     backend.mget, backend.get = mget, get
     sched = Scheduler(app)
@@ -495,19 +511,20 @@ def test_result_states_are_read_for_due_schedules_only_in_one_mget(redis_url, tm
         r.delete(queue)
         r.close()
         backend.mget, backend.get = real_mget, real_get
-    # The first second has no previous run to look up; each later one does, in one call.
-    assert 3 <= len(calls) <= 4, calls
-    for keys in calls:
-        assert len(keys) == 3, keys
-        assert all(k.startswith(backend.task_keyprefix.decode()) for k in keys)
-    rows = ClaimStore(f"sqlite:///{tmp_path}/claims.sqlite3", node_id="reader")
-    rows.open()
+    store = ClaimStore(db_url, node_id="reader")
+    store.open()
     try:
+        due_ids = {row.task_id for n in due for row in store.claims(n) if row.status == "sent"}
         for n in due:  # nobody ran them, so every later fire met a PENDING (young) run: skipped
-            statuses = [r.status for r in rows.claims(n)]
+            statuses = [r.status for r in store.claims(n)]
             assert statuses[0] == "sent" and set(statuses[1:]) == {"skipped"}, statuses
     finally:
-        rows.close()
+        store.close()
+    # The first second has no previous run to look up; each later one does, in one call.
+    assert 3 <= len(calls) <= 4, calls
+    for ids in calls:
+        assert sorted(ids) == sorted(due_ids), ids
+    assert not idle_ids & {i for ids in calls for i in ids}
 
 
 def test_database_backend_states_are_read_in_one_query(pg_url):
@@ -582,3 +599,31 @@ def test_start_up_warnings_when_the_guard_cannot_see_runs(redis_url, tmp_path):
     finally:
         for proc in started.values():
             proc.stop(timeout=5)
+
+
+# ------------------------------------------------------------------------------ no lease
+
+
+@pytest.mark.timeout(90)
+def test_replicas_without_a_lease_share_the_guard(cluster, redis_url, pg_url):
+    """Two replicas and no lease: both race for every fire. Whichever wins, it must see the
+    run the *other* one sent: a 3.5 s task every second still never runs twice at once."""
+    sched = name("racing")
+    c = cluster(
+        db_url=pg_url,
+        backend=redis_url,
+        schedule=f'{{{sched!r}: {{"task": "t.work", "schedule": every(1), "args": (3.5,), "overlap": "skip"}}}}',
+        conf='{"task_track_started": True, "cluster_beat_max_run_time": 60,'
+             ' "cluster_beat_node_id": os.environ.get("CCB_NODE")}',
+    )
+    c.worker(concurrency=3)
+    c.beat("A", node="A")
+    c.beat("B", node="B")
+    wait_until(lambda: len([r for r in c.runs(sched) if r.end is not None]) >= 4, 45, "four finished runs", c)
+    for proc in c.procs[1:]:
+        proc.stop()
+    runs = [r for r in c.runs(sched) if r.end is not None]
+    assert_never_overlap(runs, f"no lease (senders {[r.node for r in runs]})")
+    rows = c.claims(sched)
+    assert {r.node for r in rows} == {"A", "B"}, "both replicas took part"
+    assert all(r.reason == "overlap" for r in rows if r.status == "skipped")

@@ -236,8 +236,13 @@ def main() -> int:
         for label in labels:
             results.append(run_one(label, args, broker, exprs))
     ok = report(results, args)
+    print(f"\nload at end: {common.load()} (1/5/15-min load average)")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the with-blocks above have cleaned up
+        sys.stderr.write(f"interrupted ({exc or 'Ctrl-C'}); processes, Redis DB and temp files cleaned up\n")
+        sys.exit(130)

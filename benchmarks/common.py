@@ -38,7 +38,9 @@ import redis  # noqa: E402
 
 import procs  # noqa: E402  (tests/procs.py: app-module writer and process wrapper)
 
-REDIS_BASE = os.environ.get("CCB_BENCH_REDIS", "redis://127.0.0.1:6379")
+#: The Redis server; any database number in the URL is replaced by ``--redis-db``
+#: (CCB_BENCH_REDIS is shared with bench_failover.py, which takes a full URL).
+REDIS_BASE = re.sub(r"/\d*$", "", os.environ.get("CCB_BENCH_REDIS", "redis://127.0.0.1:6379"))
 PG_ADMIN_URL = os.environ.get("CCB_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 #: label -> (scheduler class for ``celery beat -S``, kind)
@@ -125,9 +127,17 @@ def print_header(title: str, lines: Sequence[str] = ()) -> None:
     print(f"date    : {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     print(f"machine : {machine()}")
     print(f"versions: {versions()}")
+    print(f"load    : {load()} (1/5/15-min load average at start; other work on the machine skews the figures)")
     for line in lines:
         print(line)
     print(flush=True)
+
+
+def load() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 def log(msg: str) -> None:

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from celery import states as celery_states
 
@@ -147,11 +147,14 @@ class OverlapGuard:
     def _read_states(backend, task_ids: List[str]) -> Dict[str, str]:
         pending = celery_states.PENDING
         if hasattr(backend, "get_key_for_task") and hasattr(backend, "mget"):
+            keys = [backend.get_key_for_task(t) for t in task_ids]
             try:  # key-value backends (Redis: one MGET)
-                values = backend.mget([backend.get_key_for_task(t) for t in task_ids])
+                values = backend.mget(keys)
             except NotImplementedError:
                 pass
             else:
+                if isinstance(values, Mapping):  # some (memcached) answer {key: value}, like Celery expects
+                    values = [values.get(k) for k in keys]
                 # decode(), not decode_result(): the status is all we need, no exception rebuilding.
                 return {t: (backend.decode(raw) or {}).get("status", pending) if raw else pending
                         for t, raw in zip(task_ids, values)}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import procs
-from celery_cluster_beat import cron, every
+from celery_cluster_beat import cron
 from celery_cluster_beat.jitter import GAP_SHARE, jitter_delay
 from celery_cluster_beat.store import ClaimStore
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,8 +33,6 @@ import redis
 
 import procs
 from celery_cluster_beat.store import ClaimStore
-
-pytestmark = pytest.mark.slow
 
 UTC = timezone.utc
 
@@ -220,6 +217,7 @@ def wait_until(predicate, timeout: float, what: str, cluster: Cluster) -> None:
 # ------------------------------------------------------------------------------ skip / allow
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend_kind", ["redis", "postgresql"])
 def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, redis_url, pg_url, tmp_path):
@@ -258,14 +256,16 @@ def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, r
     # one claim row per nominal second: every fire was decided (sent or skipped), none lost
     instants = [row.scheduled_at for row in window]
     assert all(b - a == timedelta(seconds=1) for a, b in zip(instants, instants[1:])), instants
-    # about one send in four: 3.5 s of run, then the next whole second (4 or 5 under load)
+    # about one send in four: 3.5 s of run, then the next whole second (a 5th or 6th under load)
     gaps = [b - a for a, b in zip(sent_at, sent_at[1:])]
-    assert all(4 <= g <= 5 for g in gaps), f"fires between sends: {gaps}"
+    assert all(4 <= g <= 6 for g in gaps), f"fires between sends: {gaps}"
     share = (len(sent_at) - 1) / (len(window) - 1)  # sends per fire, counted send to send
-    assert 0.2 <= share <= 0.25, share
-    # the skips were reported through occurrence_handled too
+    assert 1 / 6 <= share <= 1 / 4, share
+    # each decision was reported through occurrence_handled too
     skipped_events = {e["at"] for e in c.events(schedule=guarded) if e["outcome"] == "skipped-overlap"}
     assert {row.scheduled_at.isoformat() for row in window if row.status == "skipped"} <= skipped_events
+    sent_events = {e["task_id"] for e in c.events(schedule=guarded) if e["outcome"] == "sent"}
+    assert {r.id for r in runs} <= sent_events
 
     # allow: the same task on the same grid runs several at once, every fire sent
     loose = c.runs(free)
@@ -277,6 +277,7 @@ def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, r
 # ------------------------------------------------------------------------------ buffer_one
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend_kind", ["redis", "sqlite"])
 def test_buffer_one_sends_the_pending_occurrence_as_soon_as_the_run_ends(backend_kind, cluster, redis_url, tmp_path):
@@ -320,6 +321,7 @@ def test_buffer_one_sends_the_pending_occurrence_as_soon_as_the_run_ends(backend
 # ------------------------------------------------------------------------------ watchdog
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_watchdog_lets_the_next_fire_through_after_max_run_time(cluster, redis_url, tmp_path):
     """A run that hangs (sleeps 60 s, STARTED all along) blocks its schedule for ``max_run_time``
@@ -367,6 +369,7 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_replace_terminates_the_previous_run_and_sends_the_new_one(cluster, redis_url, tmp_path):
     """``replace`` with a 60 s task every 2 s: each fire revokes the running one (terminate) and
@@ -405,6 +408,7 @@ def test_replace_terminates_the_previous_run_and_sends_the_new_one(cluster, redi
 # ------------------------------------------------------------------------------ failover
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_new_leader_honours_the_guard_of_the_old_one(cluster, redis_url, pg_url):
     """Two replicas with a Redis lease. Leader A sends a 9 s run and is SIGKILLed during it.
@@ -556,6 +560,180 @@ def test_database_backend_states_are_read_in_one_query(pg_url):
     assert len([s for s in selects if s.lstrip().upper().startswith("SELECT")]) == 1, selects
 
 
+def test_other_key_value_backends_are_read_in_one_call_too():
+    """Celery's cache backend (memory here, memcached in production) answers a multi-get
+    with a mapping rather than a list: same states, one call."""
+    from celery import Celery
+
+    app = Celery("cache", backend="cache+memory://")
+    guard = _guard_for(app, overlap="skip")
+    backend = app.backend
+    calls = []
+    real = backend.mget
+    backend.mget = lambda keys: calls.append(list(keys)) or real(keys)
+    backend.store_result("run-1", None, "STARTED")
+    backend.store_result("run-2", None, "SUCCESS")
+    assert guard._states(["run-1", "run-2", "run-3"]) == {"run-1": "STARTED", "run-2": "SUCCESS", "run-3": "PENDING"}
+    assert len(calls) == 1
+
+
+# ------------------------------------------------------------------------------ what "in flight" means
+
+
+def _guard_for(app, **settings):
+    from celery_cluster_beat.guard import OverlapGuard
+    from celery_cluster_beat.settings import load_settings
+
+    app.conf.update({f"cluster_beat_{k}": v for k, v in settings.items()})
+    from celery_cluster_beat.scheduler import has_result_backend
+
+    return OverlapGuard(app, load_settings(app.conf, has_result_backend=lambda: has_result_backend(app)))
+
+
+def _entry(name_: str, overlap: Optional[str] = None, max_run_time: Optional[float] = None):
+    from celery_cluster_beat import every
+    from celery_cluster_beat.entries import Entry
+
+    return Entry(name=name_, task="t.work", schedule=every(60), overlap=overlap, max_run_time=max_run_time)
+
+
+@dataclass
+class _State:  # what ClaimStore.schedule_states() gives the guard
+    name: str
+    last_task_id: str
+    last_sent_at: datetime
+
+
+STATE_TABLE = [
+    # (state of the previous run, its age in s, sent?, watchdog?)
+    ("PENDING", 5, False, False),  # queued, or running without task_track_started
+    ("RECEIVED", 5, False, False),
+    ("STARTED", 5, False, False),
+    ("RETRY", 5, False, False),
+    ("PROGRESS", 5, False, False),  # a custom state set with update_state()
+    ("SUCCESS", 5, True, False),
+    ("FAILURE", 5, True, False),
+    ("REVOKED", 5, True, False),
+    (None, 5, False, False),  # never stored: reads PENDING
+    (None, 700, True, False),  # unknown and old (result expired / never stored): frees quietly
+    ("PENDING", 700, True, False),
+    ("STARTED", 700, True, True),  # in flight past max_run_time: the watchdog
+    ("RETRY", 700, True, True),
+]
+
+
+def test_which_states_of_the_previous_run_block_the_next_fire(redis_url):
+    """``skip`` against each state of the previous run in a real Redis result backend, with
+    ``max_run_time`` 600 s."""
+    from celery import Celery
+
+    from celery_cluster_beat import signals
+
+    app = Celery("states", broker=redis_url, backend=redis_url)
+    guard = _guard_for(app, overlap="skip", max_run_time=600)
+    now = datetime.now(UTC)
+    entries, expected = [], {}
+    for i, (state, age, send, dog) in enumerate(STATE_TABLE):
+        entry = _entry(name(f"{state}-{age}-{i}"))
+        task_id = str(uuid.uuid4())
+        if state is not None:
+            app.backend.store_result(task_id, None, state)
+        guard.load([_State(entry.name, task_id, now - timedelta(seconds=age))])
+        entries.append(entry)
+        expected[entry.name] = (send, dog)
+    from celery_cluster_beat.occurrence import Occurrence
+
+    dogs: List[str] = []
+    receiver = lambda sender, schedule=None, **kw: dogs.append(schedule)  # noqa: E731
+    signals.watchdog_fired.connect(receiver, weak=False)
+    try:
+        decision = guard.filter([(e, Occurrence(e.name, now)) for e in entries], now)
+        again = guard.filter([(e, Occurrence(e.name, now + timedelta(seconds=1))) for e in entries], now)
+    finally:
+        signals.watchdog_fired.disconnect(receiver)
+    got = {e.name: (True, e.name in dogs) for e, _ in decision.send}
+    got.update({e.name: (False, e.name in dogs) for e, _ in decision.skipped})
+    assert got == expected
+    assert len(dogs) == sum(1 for *_, dog in STATE_TABLE if dog), "once per hung run, not per fire"
+    assert {e.name for e, _ in again.send} == {e.name for e, _ in decision.send}
+
+
+def test_catch_up_sends_only_the_first_of_a_burst_and_buffer_one_keeps_one(redis_url):
+    """Several occurrences of one schedule due at once (catch-up ``all``): with a free
+    schedule ``skip`` sends the first and skips the rest, ``buffer_one`` sends the first and
+    keeps the second, ``replace`` revokes the running one for the first only, ``allow`` sends all."""
+    from celery import Celery
+
+    from celery_cluster_beat.occurrence import Occurrence
+
+    app = Celery("burst", broker=redis_url, backend=redis_url)
+    guard = _guard_for(app, max_run_time=600)
+    now = datetime.now(UTC)
+    running = str(uuid.uuid4())
+    app.backend.store_result(running, None, "STARTED")
+    out = {}
+    for policy in ("skip", "buffer_one", "replace", "allow"):
+        entry = _entry(name(policy), overlap=policy)
+        if policy == "replace":
+            guard.load([_State(entry.name, running, now - timedelta(seconds=5))])
+        occs = [Occurrence(entry.name, now - timedelta(minutes=k)) for k in (3, 2, 1)]
+        d = guard.filter([(entry, o) for o in occs], now)
+        out[policy] = ([o.at for _, o in d.send], [o.at for _, o in d.buffered], [o.at for _, o in d.skipped],
+                       {o.at: tid for o, tid in d.replaces.items()})
+        first, second, third = (o.at for o in occs)
+        expect = {
+            "skip": ([first], [], [second, third], {}),
+            "buffer_one": ([first], [second], [third], {}),
+            "replace": ([first], [], [second, third], {first: running}),
+            "allow": ([first, second, third], [], [], {}),
+        }[policy]
+        assert out[policy] == expect, (policy, out[policy])
+
+
+def test_without_a_result_backend_a_guarded_run_blocks_for_max_run_time(redis_url):
+    """No result backend: nothing can say a run ended, so ``skip`` holds the schedule for
+    ``max_run_time`` after each send, quietly (the start-up warning has said so)."""
+    from celery import Celery
+
+    from celery_cluster_beat.occurrence import Occurrence
+
+    app = Celery("nobackend", broker=redis_url)
+    guard = _guard_for(app, overlap="skip", max_run_time=30)
+    now = datetime.now(UTC)
+    young, old = _entry(name("young")), _entry(name("old"))
+    guard.load([_State(young.name, str(uuid.uuid4()), now - timedelta(seconds=29)),
+                _State(old.name, str(uuid.uuid4()), now - timedelta(seconds=31))])
+    d = guard.filter([(young, Occurrence(young.name, now)), (old, Occurrence(old.name, now))], now)
+    assert [e.name for e, _ in d.skipped] == [young.name] and [e.name for e, _ in d.send] == [old.name]
+
+
+def test_an_unreachable_result_backend_fails_open_with_a_warning(caplog):
+    """The result backend does not answer: the guard cannot know, so it does not block (a
+    schedule that never runs is worse than a rare overlap), and says so once."""
+    from celery import Celery
+
+    from celery_cluster_beat.occurrence import Occurrence
+
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here
+    app = Celery("down", backend=f"redis://127.0.0.1:{port}/0")
+    app.conf.redis_socket_connect_timeout = 0.5
+    app.conf.result_backend_always_retry = False
+    guard = _guard_for(app, overlap="skip", max_run_time=600)
+    now = datetime.now(UTC)
+    entry = _entry(name("down"))
+    guard.load([_State(entry.name, str(uuid.uuid4()), now - timedelta(seconds=1))])
+    with caplog.at_level("WARNING", logger="celery_cluster_beat.guard"):
+        for k in range(2):
+            d = guard.filter([(entry, Occurrence(entry.name, now + timedelta(seconds=k)))], now)
+            assert [e.name for e, _ in d.send] == [entry.name]
+    warnings = [r for r in caplog.records if "cannot read task states" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
 # ------------------------------------------------------------------------------ start-up warnings
 
 
@@ -563,6 +741,7 @@ NO_BACKEND = "overlap guard on {names} but the app has no result backend"
 NOT_TRACKED = "overlap guard on {names} with task_track_started=False"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_start_up_warnings_when_the_guard_cannot_see_runs(redis_url, tmp_path):
     """Real ``celery beat`` start-ups. A guard that cannot see what it needs to says so in the
@@ -604,6 +783,7 @@ def test_start_up_warnings_when_the_guard_cannot_see_runs(redis_url, tmp_path):
 # ------------------------------------------------------------------------------ no lease
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_replicas_without_a_lease_share_the_guard(cluster, redis_url, pg_url):
     """Two replicas and no lease: both race for every fire. Whichever wins, it must see the

@@ -70,6 +70,7 @@ class Result:
     cpu_burst: Optional[float] = None
     peak_rss: Optional[float] = None
     early: int = 0
+    load: Optional[float] = None
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -159,6 +160,7 @@ def run_one(label: str, args, broker: str, tmp_root: Path) -> Result:
                     break
                 if cpu_at_minute is None and now >= minute_epoch:
                     cpu_at_minute = beat.cpu()
+                    res.load = common.load1()
                 n = client.llen(app.queue)
                 t = time.time() - minute_epoch
                 if n != count:
@@ -206,18 +208,19 @@ def report(results: List[Result], args) -> bool:
             r.label, f"{r.sent}/{r.entries}", r.messages, r.dups,
             common.num(r.first), common.num(r.last), common.num(r.rate, "{:.0f}"),
             common.num(r.cpu_burst), common.num(r.peak_rss, "{:.0f}"), common.num(r.ready_before, "{:.1f}"),
-            "yes" if r.exactly_once else "NO",
+            "yes" if r.exactly_once else "NO", common.num(r.load),
         ])
     print(f"Burst of {args.entries} entries due on one minute; window {args.window:.0f}s after the minute")
     print()
     print(common.table(
         ["scheduler", "sent", "msgs", "dups", "first s", "last s", "msgs/s", "CPU s", "RSS MiB", "ready s",
-         "exactly once"], rows))
+         "exactly once", "load"], rows))
     print()
     print("first/last s: from the nominal minute to the LLEN poll (every 50 ms) that saw the first/final message;")
     print("msgs/s = sent / last s; CPU s = beat process CPU from the minute to the end of watching (incl. the")
     print(f"{SETTLE:.0f}s watched for duplicates after the last message); RSS = peak (VmHWM); ready s = how long before")
-    print("the minute beat's first tick had returned.")
+    print("the minute beat's first tick had returned; load = 1-min load average at the minute (2 CPUs here means")
+    print("anything above ~1 is other work competing with beat).")
 
     by = {r.label: r for r in results}
     others = [o for o in ("plain-beat", "redbeat") if o in by]

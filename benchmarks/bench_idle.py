@@ -67,6 +67,7 @@ class Result:
     idle_seconds: Optional[float] = None
     rss_ready: Optional[float] = None
     peak_rss: Optional[float] = None
+    load: Optional[float] = None
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -127,6 +128,7 @@ def run_one(label: str, args, broker: str, exprs: List[tuple]) -> Result:
             time.sleep(args.idle)
             c1, t1 = beat.cpu_precise(), time.monotonic()
             res.idle_cpu, res.idle_seconds = c1 - c0, t1 - t0
+            res.load = common.load1()
             res.peak_rss = beat.peak_rss_mib()
             if not beat.proc.alive():
                 res.notes.append(f"beat exited during the idle window ({beat.proc.popen.returncode})")
@@ -156,13 +158,14 @@ def report(results: List[Result], args) -> bool:
     rows = [[r.label, common.num(r.startup_cpu), common.num(r.import_cpu),
              common.num(None if r.startup_cpu is None or r.import_cpu is None else r.startup_cpu - r.import_cpu),
              common.num(r.startup_wall), common.num(r.idle_cpu, "{:.4f}"), common.num(r.idle_pct, "{:.3f}"),
-             common.num(r.rss_ready, "{:.0f}"), common.num(r.peak_rss, "{:.0f}")] for r in results]
+             common.num(r.rss_ready, "{:.0f}"), common.num(r.peak_rss, "{:.0f}"), common.num(r.load)] for r in results]
     print(common.table(["scheduler", "start-up CPU s", "app import CPU s", "beyond import s", "start-up wall s",
-                        "idle CPU s", "idle %core", "RSS ready MiB", "peak RSS MiB"], rows))
+                        "idle CPU s", "idle %core", "RSS ready MiB", "peak RSS MiB", "load"], rows))
     print()
     print("start-up CPU: process CPU (user+sys) from exec until beat's first tick returned, read in-process;")
     print("app import CPU: a bare interpreter importing the same app module (the cost every scheduler shares);")
-    print(f"idle CPU: over {args.idle:.0f}s starting {SETTLE:.0f}s after the first tick; peak RSS = VmHWM at the end.")
+    print(f"idle CPU: over {args.idle:.0f}s starting {SETTLE:.0f}s after the first tick; peak RSS = VmHWM at the end;")
+    print("load: 1-min load average at the end of the idle window (other work on the machine skews start-up CPU).")
 
     by = {r.label: r for r in results}
     ours = [o for o in ("ours-sqlite", "ours-pg") if o in by]

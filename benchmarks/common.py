@@ -140,6 +140,13 @@ def load() -> str:
         return "?"
 
 
+def load1() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def log(msg: str) -> None:
     """Progress lines go to stderr so stdout stays a clean report."""
     sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")

@@ -177,6 +177,13 @@ class Scheduler(beat.Scheduler):
         """Become the node that schedules: rebuild the heap from what the store says was claimed."""
         now = _utcnow()
         try:
+            if self._lease is not None:
+                recorded = self._store.current_term()
+                if (self._lease.term or 0) < recorded:
+                    # Redis lost its counter (restart without data): take a term above the recorded one.
+                    self._lease.step_down(f"term {self._lease.term} is below the recorded term {recorded}",
+                                          observed_term=recorded)
+                    return
             last = self._store.last_occurrences()
             self._guard.load(self._store.schedule_states())  # inherit the previous leader's in-flight runs
         except SQLAlchemyError as exc:

@@ -592,11 +592,11 @@ def test_scheduler_whose_lease_term_is_below_the_recorded_term_sends_nothing_and
     keys = lease_keys(scheduler._lease_name())
     try:
         with caplog.at_level(logging.INFO):
-            scheduler.tick()  # acquires the lease (term 1), activates, and its first fenced write is refused
+            scheduler.tick()  # acquires the lease (term 1), sees the recorded term 1000 and steps down
             assert scheduler._lease.term is None and not scheduler._active
             assert client.get(keys[0]) is None, "the lease key should be released for the others"
             assert client.llen(app.conf.task_default_queue) == 0
-            assert "stepped down (term 1)" in caplog.text and "a newer leader term" in caplog.text
+            assert "stepped down (term 1)" in caplog.text and "below the recorded term 1000" in caplog.text
             assert other.current_term() == 1000
             assert [(r.scheduled_at, r.node) for r in other.claims()] == [(last, "node-elsewhere")]
 

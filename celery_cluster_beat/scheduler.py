@@ -233,8 +233,23 @@ class Scheduler(beat.Scheduler):
 
     # -- the loop ----------------------------------------------------------------
     def tick(self, *args, **kwargs) -> float:
+        """One pass of beat's loop; returns how long to sleep (always > 0). Never raises."""
         if self._closed:
             return self.max_interval
+        try:
+            return self._tick()
+        except StaleTermError as exc:
+            self._fenced_out(exc)
+            return 0.001
+        except Exception:  # a bug or an unexpected library error must not end beat (Celery's beat swallows too)
+            logger.exception("cluster-beat: unexpected error in the scheduling loop; continuing in 1 s")
+            return 1.0
+
+    def _fenced_out(self, exc: StaleTermError) -> None:
+        self._lease.step_down(f"a newer leader term {exc.seen_term} is recorded", observed_term=exc.seen_term)
+        self._deactivate("a newer leader holds the claim store")
+
+    def _tick(self) -> float:
         if self._lease is not None:
             if self._active:
                 self._still_leader()
@@ -349,8 +364,7 @@ class Scheduler(beat.Scheduler):
                 return
             won = self._store.claim([occ for _, occ in claim], term=self._term())
         except StaleTermError as exc:
-            self._lease.step_down(f"a newer leader term {exc.seen_term} is recorded", observed_term=exc.seen_term)
-            self._deactivate("a newer leader holds the claim store")
+            self._fenced_out(exc)
             return
         won_set = set(won)
         entry_of = {occ: entry for entry, occ in claim}
@@ -472,8 +486,7 @@ class Scheduler(beat.Scheduler):
             logger.error("cluster-beat: stale-claim sweep failed: %s", exc)
             return
         except StaleTermError as exc:
-            self._lease.step_down("a newer leader term is recorded", observed_term=exc.seen_term)
-            self._deactivate("a newer leader holds the claim store")
+            self._fenced_out(exc)
             return
         retrying = {occ for _, _, occ in self._retries}
         items = []

@@ -43,6 +43,14 @@ class Publisher:
         self.app = app
         self.node_id = node_id
 
+    def warm_up(self) -> None:
+        """Open the broker connection now, so the first burst does not pay for it."""
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.connection.default_channel
+        except Exception as exc:  # the broker may be down at start; sends will retry
+            logger.warning("cluster-beat: cannot connect to the broker yet: %r", exc)
+
     def _send_one(self, d: Dispatch, producer) -> None:
         options = dict(d.options)  # Celery's beat mutates entry.options['headers']; we never do
         headers = dict(options.pop("headers", None) or {})

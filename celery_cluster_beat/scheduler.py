@@ -36,9 +36,10 @@ logger = logging.getLogger("celery_cluster_beat")
 
 UTC = timezone.utc
 _TINY = timedelta(microseconds=1)
-#: Publish in slices this big, renewing the lease between them.
-SEND_SLICE = 1000
-#: Publish retries for one occurrence (1, 2, 4, 8 s apart) before it is marked failed.
+#: Publish in slices this big, renewing the lease and marking rows sent between them.
+SEND_SLICE = 2500
+#: Publish attempts for one occurrence (retried 1, 2, 4, 8 s apart, capped at claim_grace/2)
+#: before it is marked failed.
 MAX_SEND_ATTEMPTS = 5
 #: Standbys try to take the lease at least this often (seconds).
 STANDBY_POLL = 1.0
@@ -71,10 +72,12 @@ class Scheduler(beat.Scheduler):
             self.settings = load_settings(app.conf, has_result_backend=lambda: has_result_backend(app))
         except ConfigError as exc:
             problems += exc.problems
-        try:
-            self.entries = build_entries(app.conf.beat_schedule, app=app)
-        except ConfigError as exc:
-            problems += exc.problems
+        # Beat's banner instance (lazy) needs no entries; build them there only to report every problem.
+        if not lazy or problems:
+            try:
+                self.entries = build_entries(app.conf.beat_schedule, app=app)
+            except ConfigError as exc:
+                problems += exc.problems
         if problems:
             raise ConfigError(problems)
         self._store = None
@@ -204,6 +207,7 @@ class Scheduler(beat.Scheduler):
         self._active = True
         self._next_sweep = 0.0
         self._next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
+        self._publisher.warm_up()
         self._sweep_stale(now)
 
     def _deactivate(self, why: str) -> None:
@@ -285,7 +289,8 @@ class Scheduler(beat.Scheduler):
             wait = min(wait, check)
         return max(wait, 0.001)  # never 0: beat would spin
 
-    def _pop_due(self, now: datetime) -> List[Tuple[Entry, datetime]]:
+    def _pop_due(self, now: datetime) -> List[Tuple[Entry, datetime, bool]]:
+        """Due entries with their first due instant and whether that is the only one due."""
         due = []
         heap = self._heap
         while heap and heap[0][0] <= now:
@@ -293,10 +298,13 @@ class Scheduler(beat.Scheduler):
             entry = self.entries.get(name)
             if entry is None or self._next_at.get(name) != at:
                 continue  # superseded heap item
-            nxt = entry.schedule.next_fire(now)  # forward from now: a slow burst never builds a backlog
+            nxt = entry.schedule.next_fire(at)
+            single = nxt > now
+            if not single:
+                nxt = entry.schedule.next_fire(now)  # forward from now: a stall never builds a backlog
             self._next_at[name] = nxt
             heapq.heappush(heap, (nxt, name))
-            due.append((entry, at))
+            due.append((entry, at, single))
         return due
 
     def _run_due(self) -> None:
@@ -305,9 +313,9 @@ class Scheduler(beat.Scheduler):
         s = self.settings
         claim: List[Tuple[Entry, Occurrence]] = []
         missed: List[Occurrence] = []
-        for entry, at in due:
+        for entry, at, single in due:
             schedule = entry.schedule
-            if now - at <= ON_TIME and schedule.next_fire(at) > now:
+            if single and now - at <= ON_TIME:
                 claim.append((entry, Occurrence(entry.name, at)))  # the usual case: one occurrence, on time
                 continue
             plan = plan_catchup(
@@ -331,7 +339,7 @@ class Scheduler(beat.Scheduler):
             logger.error("cluster-beat: the claim store failed (%s); %d occurrence(s) will be retried",
                          exc.__class__.__name__ + ": " + str(exc).splitlines()[0], len(due))
             self._db_trouble()
-            for entry, at in due:  # put them back: the retry applies the catch-up policy
+            for entry, at, _ in due:  # put them back: the retry applies the catch-up policy
                 self._next_at[entry.name] = at
                 heapq.heappush(self._heap, (at, entry.name))
             return

@@ -56,11 +56,18 @@ class ClusterSchedule(celery_schedules.BaseSchedule):
         if self.tz_name is not None:
             return get_zone(self.tz_name)
         app = self._app
-        if app is None:
+        if app is None:  # follows whichever app is current: resolve every time
             try:
-                app = self.app
+                return self._app_zone(self.app)
             except Exception:  # no current app: UTC, as documented
                 return UTC
+        cached = getattr(self, "_zone_cache", None)
+        if cached is None or cached[0] is not app:  # bound app: read its config once, not per call
+            cached = self._zone_cache = (app, self._app_zone(app))
+        return cached[1]
+
+    @staticmethod
+    def _app_zone(app) -> tzinfo:
         name = app.conf.timezone
         return get_zone(name if isinstance(name, str) else zone_name(name)) if name else UTC
 

@@ -6,7 +6,8 @@ tick claims to ``celerybeat-cluster.sqlite3``. Run (from this folder)::
 
     celery -A quickstart worker -B -S celery_cluster_beat.Scheduler -l info
 
-For a cluster, point it at Redis and PostgreSQL and start beat on each host::
+For a cluster, install the PostgreSQL driver (``pip install -e '.[postgres]'``),
+point it at Redis and PostgreSQL and start beat on each host::
 
     CCB_BROKER_URL=redis://127.0.0.1:6379/0 \\
     CCB_RESULT_BACKEND=redis://127.0.0.1:6379/1 \\

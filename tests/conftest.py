@@ -54,3 +54,14 @@ def pg_url(tmp_path):
 @pytest.fixture
 def mysql_url(tmp_path):
     yield from _db("mysql", tmp_path)
+
+
+@pytest.fixture
+def throwaway_redis(tmp_path):
+    """A redis-server of the test's own (no persistence), which the test may kill and restart."""
+    from procs import ThrowawayRedis
+
+    server = ThrowawayRedis(tmp_path)
+    server.start()
+    yield server
+    server.kill()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -176,3 +178,48 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 
 def wait_for_log(proc: Proc, text: str, timeout: float) -> None:
     wait_for(lambda: text in proc.log(), timeout, what=f"{text!r} in {proc.log_path.name}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ThrowawayRedis:
+    """A redis-server without persistence on a port of its own: the test may kill and restart it."""
+
+    def __init__(self, workdir: Path) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not on PATH: install Redis to run these tests")
+        self.port = _free_port()
+        self.workdir = workdir
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        try:
+            wait_for(up, 10, interval=0.02, what=f"redis-server on port {self.port}")
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None

@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -404,59 +402,6 @@ def test_with_catchup_all_a_sigkill_failover_sends_every_occurrence_exactly_once
 
 
 # ----------------------------------------------------------------------------- Redis restarted
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ThrowawayRedis:
-    """A redis-server without persistence on a port of its own: the test may kill and restart it."""
-
-    def __init__(self, workdir: Path) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not on PATH", pytrace=False)
-        self.port = _free_port()
-        self.workdir = workdir
-        self.proc: Optional[subprocess.Popen] = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.RedisError:
-                return False
-
-        try:
-            wait_for(up, 10, interval=0.02, what=f"redis-server on port {self.port}")
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.proc = None
-
-
-@pytest.fixture
-def throwaway_redis(tmp_path):
-    server = ThrowawayRedis(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.mark.timeout(180)

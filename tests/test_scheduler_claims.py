@@ -19,7 +19,6 @@ import collections
 import json
 import math
 import signal
-import subprocess
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -104,51 +103,6 @@ def _read_store(url: str):
 
 def _node_of(proc: Proc, nodes) -> Optional[str]:
     return next((n for n in nodes if n.endswith(f":{proc.pid}")), None)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ThrowawayRedis:
-    """A ``redis-server`` without persistence on a fixed free port, to kill and restart."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
-        self.workdir = workdir
-        self.proc: Optional[subprocess.Popen] = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-
-        def up() -> bool:
-            try:
-                client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-                try:
-                    return bool(client.ping())
-                finally:
-                    client.close()
-            except redis.RedisError:
-                return False
-
-        wait_for(up, 15, what=f"redis-server on port {self.port}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 # --------------------------------------------------------------------------- three racing beats
@@ -326,14 +280,13 @@ def test_three_racing_beats_leave_one_sent_claim_row_per_message_and_matching_co
 
 
 @pytest.mark.slow
-def test_a_broker_outage_is_retried_without_crashing_or_duplicating(tmp_path):
+def test_a_broker_outage_is_retried_without_crashing_or_duplicating(tmp_path, throwaway_redis):
     """The broker (a throwaway redis-server) is SIGKILLed for about 3 s and
     restarted on the same port: beat keeps running and logs the error; the rows of
     occurrences that fell due meanwhile carry the error as ``reason`` and end up
     ``sent`` (retried 1, 2, 4, 8 s apart) or ``failed`` after the last attempt;
     no occurrence is queued twice."""
-    server = ThrowawayRedis(tmp_path)
-    server.start()
+    server = throwaway_redis
     db = f"sqlite:///{tmp_path}/claims.sqlite3"
     app = write_app(tmp_path, broker=server.url, db_url=db, schedule=EVERY_SECOND, redis_url="",
                     conf=f"{{'cluster_beat_claim_grace': {GRACE}}}")

@@ -1,0 +1,200 @@
+"""The claim store's tables and row types (SQLAlchemy Core), apart from the queries.
+
+Datetimes are naive UTC in the database (portable across SQLite, PostgreSQL and
+MySQL/MariaDB) and aware UTC in Python; names compare byte for byte everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql as mysql_dialect
+
+from .occurrence import Occurrence
+
+#: Version of the tables below. Bump it (and teach :meth:`ClaimStore.open` to
+#: migrate) whenever a released schema changes.
+SCHEMA_VERSION = 1
+
+STATUSES = ("claimed", "sent", "skipped", "missed", "failed")
+
+
+def _naive_utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        # A naive value is ambiguous (local? UTC?); guessing wrong would move
+        # claims by hours, so refuse rather than guess.
+        raise ValueError(f"naive datetime {value!r}: pass an aware (UTC) datetime")
+    return value.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
+    """Naive UTC in the database, aware UTC in Python.
+
+    Naive storage is the one representation that behaves the same in
+    SQLite (text), PostgreSQL (``timestamp``) and MySQL (``DATETIME(6)``, which
+    has no time zone at all); converting at the boundary means no value ever
+    depends on a server or session time zone.
+    """
+
+    impl = sa.DateTime
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            # Plain DATETIME drops microseconds; occurrences may carry them.
+            return dialect.type_descriptor(mysql_dialect.DATETIME(fsp=6))
+        return dialect.type_descriptor(sa.DateTime())
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return _naive_utc(value)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc)
+
+
+def _mysql_name_collation(dialect: Any) -> str:
+    """The collation of name columns on a MySQL-family server.
+
+    The default collations are case-insensitive: "Report" and "report" would
+    collide on the primary key and one schedule would silently lose every
+    claim. Binary collations compare byte for byte; we prefer a NO PAD one,
+    in which "a" and "a " differ too.
+    """
+    if getattr(dialect, "is_mariadb", False):
+        return "utf8mb4_nopad_bin"
+    version = getattr(dialect, "server_version_info", None) or ()
+    if tuple(version[:3]) >= (8, 0, 17):
+        return "utf8mb4_0900_bin"
+    return "utf8mb4_bin"  # PAD SPACE: ClaimStore rejects names ending in a space
+
+
+class NameType(sa.types.TypeDecorator[str]):
+    """VARCHAR compared byte for byte in every dialect (see _mysql_name_collation)."""
+
+    impl = sa.String
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
+        length = cast(sa.String, self.impl_instance).length
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(
+                mysql_dialect.VARCHAR(length, charset="utf8mb4", collation=_mysql_name_collation(dialect))
+            )
+        return dialect.type_descriptor(sa.String(length))
+
+
+def _name_type(length: int = 255) -> NameType:
+    return NameType(length)
+
+
+_MYSQL_TABLE: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+metadata = sa.MetaData()
+
+claims_table = sa.Table(
+    "cluster_beat_claims",
+    metadata,
+    sa.Column("schedule", _name_type(), primary_key=True),
+    sa.Column("scheduled_at", UTCDateTime(), primary_key=True),
+    sa.Column("claimed_at", UTCDateTime(), nullable=False),
+    sa.Column("node", _name_type(), nullable=False),
+    sa.Column("term", sa.BigInteger(), nullable=True),
+    sa.Column("task_id", sa.String(36), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text(), nullable=True),
+    sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("sent_at", UTCDateTime(), nullable=True),
+    # Random id of the statement that last wrote the row. MySQL has no
+    # INSERT/UPDATE ... RETURNING, so when only some of a batch's rows were
+    # inserted/changed, which ones is answered by selecting, among the
+    # batch's keys, those carrying this token, in the same transaction:
+    # exact under concurrency. (Looked up through the primary key, so it
+    # needs no index of its own.)
+    sa.Column("op_token", sa.String(32), nullable=True),
+    sa.CheckConstraint(
+        "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
+        name="ck_cluster_beat_claims_status",
+    ),
+    sa.Index("ix_cluster_beat_claims_status_claimed_at", "status", "claimed_at"),
+    sa.Index("ix_cluster_beat_claims_scheduled_at", "scheduled_at"),
+    **_MYSQL_TABLE,
+)
+
+_COUNTERS = ("sent", "skipped", "missed", "failed", "claim_lost", "resent")
+
+schedules_table = sa.Table(
+    "cluster_beat_schedules",
+    metadata,
+    sa.Column("name", _name_type(), primary_key=True),
+    sa.Column("last_occurrence", UTCDateTime(), nullable=True),
+    sa.Column("last_task_id", sa.String(36), nullable=True),
+    sa.Column("last_sent_at", UTCDateTime(), nullable=True),
+    sa.Column("last_error", sa.Text(), nullable=True),
+    sa.Column("last_error_at", UTCDateTime(), nullable=True),
+    *[sa.Column(c, sa.BigInteger(), nullable=False, server_default="0") for c in _COUNTERS],
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    **_MYSQL_TABLE,
+)
+
+leader_table = sa.Table(
+    "cluster_beat_leader",
+    metadata,
+    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("term", sa.BigInteger(), nullable=False),
+    sa.Column("node", _name_type(), nullable=True),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    **_MYSQL_TABLE,
+)
+
+meta_table = sa.Table(
+    "cluster_beat_meta",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(255), nullable=False),
+    **_MYSQL_TABLE,
+)
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    """One row of ``cluster_beat_claims`` as the status command shows it."""
+
+    schedule: str
+    scheduled_at: datetime
+    claimed_at: datetime
+    node: str
+    term: int | None
+    task_id: str
+    status: str
+    reason: str | None
+    attempts: int
+    sent_at: datetime | None
+
+    @property
+    def occurrence(self) -> Occurrence:
+        return Occurrence(self.schedule, self.scheduled_at, task_id=self.task_id)
+
+
+@dataclass(frozen=True)
+class ScheduleState:
+    """Per-schedule state kept apart from the claim rows so it survives pruning."""
+
+    name: str
+    last_occurrence: datetime | None
+    last_task_id: str | None
+    last_sent_at: datetime | None
+    last_error: str | None
+    last_error_at: datetime | None
+    sent: int
+    skipped: int
+    missed: int
+    failed: int
+    claim_lost: int
+    resent: int
+    updated_at: datetime

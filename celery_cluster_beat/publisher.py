@@ -33,7 +33,6 @@ class Dispatch:
     args: tuple = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)
-    countdown: Optional[float] = None
 
 
 class Publisher:
@@ -62,8 +61,6 @@ class Publisher:
                 "celery_beat_task": True,
             }
         )
-        if d.countdown:
-            options["countdown"] = d.countdown
         task = self.app.tasks.get(d.task)
         if task is not None:
             task.apply_async(d.args, d.kwargs, task_id=d.occurrence.task_id, producer=producer, headers=headers, **options)

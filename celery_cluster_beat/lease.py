@@ -35,10 +35,8 @@ and :attr:`valid_until` never block.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -51,7 +49,7 @@ from redis.exceptions import RedisError
 from .errors import ConfigError
 from .urls import mask_url
 
-__all__ = ["LeaseEvent", "RedisLease", "default_node_id", "lease_keys"]
+__all__ = ["LeaseEvent", "RedisLease", "lease_keys"]
 
 logger = logging.getLogger("celery_cluster_beat.lease")
 
@@ -81,11 +79,6 @@ def lease_keys(name: str) -> "tuple[str, str, str]":
     """The lease key, the term counter key and the release channel of lease *name*."""
     base = f"cluster_beat:{{{name}}}"
     return base + ":lease", base + ":term", base + ":released"
-
-
-def default_node_id() -> str:
-    """``hostname:pid``, a readable identity for this replica."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 # KEYS[1] lease key, KEYS[2] term counter

@@ -132,10 +132,6 @@ class cron(ClusterSchedule):
         _zone(f"cron {expr!r}", tz)
         self.tz_name = tz if tz is None or isinstance(tz, str) else zone_name(tz)
 
-    @property
-    def is_wildcard(self) -> bool:
-        return self.spec.wildcard
-
     def next_fire(self, after: datetime) -> datetime:
         """First scheduled instant strictly after *after* (aware), as aware UTC."""
         return _cron_times(self.spec, self._zone()).next_after(ensure_aware(after))

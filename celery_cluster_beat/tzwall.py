@@ -14,7 +14,7 @@ A wall time is one of:
 from __future__ import annotations
 
 import bisect
-from datetime import date, datetime, timedelta, timezone, tzinfo
+from datetime import datetime, timedelta, timezone, tzinfo
 from functools import lru_cache
 from typing import List, Tuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -109,7 +109,3 @@ def has_transition(tz: tzinfo, lo: datetime, hi: datetime) -> bool:
         if i < len(trans) and trans[i] <= hi:
             return True
     return False
-
-
-def local_date(tz: tzinfo, instant: datetime) -> date:
-    return instant.astimezone(tz).date()

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import sqlalchemy as sa  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from celery_cluster_beat.occurrence import Occurrence  # noqa: E402
+from celery_cluster_beat.schedules.occurrence import Occurrence  # noqa: E402
 from celery_cluster_beat.store import ClaimStore  # noqa: E402
 
 ADMIN_URLS = {

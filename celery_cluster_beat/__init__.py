@@ -1,6 +1,17 @@
 """celery-cluster-beat: a Celery beat scheduler for several replicas.
 
 ``celery -A proj beat -S celery_cluster_beat.Scheduler``
+
+The package is one folder per concern; arrows point down only::
+
+    beat      the Celery glue: Scheduler, send pipeline, overlap guard, catch-up, jitter
+    config    cluster_beat_* settings, beat_schedule entries, Celery configuration knowledge
+    leader    the Redis lease, the Redis client factory, URL masking
+    store     the SQL claim store (dialects behind one seam)
+    schedules pure time arithmetic: cron, intervals, zones, occurrences
+
+plus ``errors`` (ConfigError, ScheduleError), ``signals`` and ``base`` (shared
+limits and the enum base), which every concern may import.
 """
 from __future__ import annotations
 
@@ -16,7 +27,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # The scheduler pulls in celery.beat and SQLAlchemy; schedules alone should not.
     if name == "Scheduler":
-        from .scheduler import Scheduler
+        from .beat.scheduler import Scheduler
 
         return Scheduler
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,17 +1,13 @@
-"""Exceptions raised for bad input.
+"""Exceptions raised for bad input, shared by every concern.
 
 Both are ``ValueError`` subclasses so callers that already guard against bad
 configuration with ``except ValueError`` keep working.
 """
 from __future__ import annotations
 
+from .schedules.errors import ScheduleError
 
-class ScheduleError(ValueError):
-    """A schedule (cron expression, interval, baseline, time zone) is invalid.
-
-    The message always names the expression, the field and the reason, so an
-    operator can fix the entry without reading our source.
-    """
+__all__ = ["ConfigError", "ScheduleError"]
 
 
 class ConfigError(ValueError):

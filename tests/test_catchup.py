@@ -36,8 +36,8 @@ import redis
 from celery import Celery
 
 from celery_cluster_beat import every
-from celery_cluster_beat.occurrence import Occurrence, occurrence_task_id
-from celery_cluster_beat.scheduler import Scheduler
+from celery_cluster_beat.schedules.occurrence import Occurrence, occurrence_task_id
+from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.store import ClaimStore
 
 UTC = timezone.utc

@@ -446,7 +446,7 @@ def test_redis_restarted_under_the_cluster_replicas_survive_and_scheduling_resum
 FREEZING_SCHEDULER = '''
 import os as _os, signal as _signal
 from pathlib import Path as _Path
-from celery_cluster_beat.scheduler import Scheduler as _ClusterScheduler
+from celery_cluster_beat.beat.scheduler import Scheduler as _ClusterScheduler
 
 
 class FreezingScheduler(_ClusterScheduler):
@@ -516,9 +516,9 @@ def test_scheduler_whose_lease_term_is_below_the_recorded_term_sends_nothing_and
     from celery import Celery
 
     from celery_cluster_beat import every
-    from celery_cluster_beat.lease import lease_keys
-    from celery_cluster_beat.occurrence import Occurrence
-    from celery_cluster_beat.scheduler import Scheduler
+    from celery_cluster_beat.leader.lease import lease_keys
+    from celery_cluster_beat.schedules.occurrence import Occurrence
+    from celery_cluster_beat.beat.scheduler import Scheduler
     from celery_cluster_beat.store import ClaimStore
 
     name = "fence_" + uuid.uuid4().hex[:8]

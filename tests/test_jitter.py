@@ -21,7 +21,7 @@ import pytest
 
 import procs
 from celery_cluster_beat import cron
-from celery_cluster_beat.jitter import GAP_SHARE, jitter_delay
+from celery_cluster_beat.beat.jitter import GAP_SHARE, jitter_delay
 from celery_cluster_beat.store import ClaimStore
 
 UTC = timezone.utc
@@ -33,7 +33,7 @@ SAMPLES = [(f"report-{i % 7}", T0 + timedelta(minutes=i), 30.0, T0 + timedelta(m
 COMPUTE = """
 import json, sys
 from datetime import datetime
-from celery_cluster_beat.jitter import jitter_delay
+from celery_cluster_beat.beat.jitter import jitter_delay
 samples = json.loads(sys.stdin.read())
 print(json.dumps([jitter_delay(n, datetime.fromisoformat(a), j, datetime.fromisoformat(b)) for n, a, j, b in samples]))
 """
@@ -97,7 +97,7 @@ def test_no_jitter_means_no_delay():
 
 def test_the_delay_never_reaches_the_cap_even_at_the_top_of_the_hash_range(monkeypatch):
     """The largest possible hash still gives a delay strictly below the cap."""
-    import celery_cluster_beat.jitter as jitter_module
+    import celery_cluster_beat.beat.jitter as jitter_module
 
     class Top:
         def digest(self):

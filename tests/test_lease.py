@@ -24,8 +24,8 @@ from redis.crc import key_slot
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
 from celery_cluster_beat.errors import ConfigError
-from celery_cluster_beat.lease import LeaseEvent, RedisLease, lease_keys
-from celery_cluster_beat.redisconn import redis_client_from_url
+from celery_cluster_beat.leader.lease import LeaseEvent, RedisLease, lease_keys
+from celery_cluster_beat.leader.redisconn import redis_client_from_url
 
 # --------------------------------------------------------------------------- helpers
 

@@ -468,8 +468,8 @@ def test_result_states_are_read_for_due_schedules_only_in_one_mget(redis_url, tm
     from celery import Celery
 
     from celery_cluster_beat import cron, every
-    from celery_cluster_beat.occurrence import Occurrence
-    from celery_cluster_beat.scheduler import Scheduler
+    from celery_cluster_beat.schedules.occurrence import Occurrence
+    from celery_cluster_beat.beat.scheduler import Scheduler
 
     db_url = f"sqlite:///{tmp_path}/claims.sqlite3"
     queue = "q_ccb_lookup_" + uuid.uuid4().hex[:8]
@@ -537,8 +537,8 @@ def test_database_backend_states_are_read_in_one_query(pg_url):
     import sqlalchemy as sa
     from celery import Celery, states
 
-    from celery_cluster_beat.guard import OverlapGuard
-    from celery_cluster_beat.settings import load_settings
+    from celery_cluster_beat.beat.guard import OverlapGuard
+    from celery_cluster_beat.config.settings import load_settings
 
     app = Celery("dbstates", backend=result_backend("postgresql", "", pg_url))
     backend = app.backend
@@ -581,18 +581,18 @@ def test_other_key_value_backends_are_read_in_one_call_too():
 
 
 def _guard_for(app, **settings):
-    from celery_cluster_beat.guard import OverlapGuard
-    from celery_cluster_beat.settings import load_settings
+    from celery_cluster_beat.beat.guard import OverlapGuard
+    from celery_cluster_beat.config.settings import load_settings
 
     app.conf.update({f"cluster_beat_{k}": v for k, v in settings.items()})
-    from celery_cluster_beat.scheduler import has_result_backend
+    from celery_cluster_beat.beat.scheduler import has_result_backend
 
     return OverlapGuard(app, load_settings(app.conf, has_result_backend=lambda: has_result_backend(app)))
 
 
 def _entry(name_: str, overlap: Optional[str] = None, max_run_time: Optional[float] = None):
     from celery_cluster_beat import every
-    from celery_cluster_beat.entries import Entry
+    from celery_cluster_beat.config.entries import Entry
 
     return Entry(name=name_, task="t.work", schedule=every(60), overlap=overlap, max_run_time=max_run_time)
 
@@ -641,7 +641,7 @@ def test_which_states_of_the_previous_run_block_the_next_fire(redis_url):
         guard.load([_State(entry.name, task_id, now - timedelta(seconds=age))])
         entries.append(entry)
         expected[entry.name] = (send, dog)
-    from celery_cluster_beat.occurrence import Occurrence
+    from celery_cluster_beat.schedules.occurrence import Occurrence
 
     dogs: List[str] = []
     receiver = lambda sender, schedule=None, **kw: dogs.append(schedule)  # noqa: E731
@@ -664,7 +664,7 @@ def test_catch_up_sends_only_the_first_of_a_burst_and_buffer_one_keeps_one(redis
     keeps the second, ``replace`` revokes the running one for the first only, ``allow`` sends all."""
     from celery import Celery
 
-    from celery_cluster_beat.occurrence import Occurrence
+    from celery_cluster_beat.schedules.occurrence import Occurrence
 
     app = Celery("burst", broker=redis_url, backend=redis_url)
     guard = _guard_for(app, max_run_time=600)
@@ -695,7 +695,7 @@ def test_without_a_result_backend_a_guarded_run_blocks_for_max_run_time(redis_ur
     ``max_run_time`` after each send, quietly (the start-up warning has said so)."""
     from celery import Celery
 
-    from celery_cluster_beat.occurrence import Occurrence
+    from celery_cluster_beat.schedules.occurrence import Occurrence
 
     app = Celery("nobackend", broker=redis_url)
     guard = _guard_for(app, overlap="skip", max_run_time=30)
@@ -712,7 +712,7 @@ def test_an_unreachable_result_backend_fails_open_with_a_warning(caplog):
     schedule that never runs is worse than a rare overlap), and says so once."""
     from celery import Celery
 
-    from celery_cluster_beat.occurrence import Occurrence
+    from celery_cluster_beat.schedules.occurrence import Occurrence
 
     import socket
 

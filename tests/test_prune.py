@@ -20,10 +20,10 @@ import redis
 from celery import Celery
 
 from celery_cluster_beat import every
-from celery_cluster_beat.lease import RedisLease, lease_keys
-from celery_cluster_beat.occurrence import Occurrence
-from celery_cluster_beat.redisconn import redis_client_from_url
-from celery_cluster_beat.scheduler import Scheduler
+from celery_cluster_beat.leader.lease import RedisLease, lease_keys
+from celery_cluster_beat.schedules.occurrence import Occurrence
+from celery_cluster_beat.leader.redisconn import redis_client_from_url
+from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.store import ClaimStore
 
 from procs import start_beat, wait_for, write_app

@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 
 import services
 from celery_cluster_beat import Scheduler, cron, every
-from celery_cluster_beat.occurrence import Occurrence, occurrence_task_id
+from celery_cluster_beat.schedules.occurrence import Occurrence, occurrence_task_id
 from celery_cluster_beat.store import ClaimStore
 from procs import DEFAULT_TASKS, App, Proc, start_beat, wait_for, write_app
 

@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 
 from celery_cluster_beat import Scheduler, every
 from celery_cluster_beat.errors import ConfigError
-from celery_cluster_beat.occurrence import occurrence_task_id
+from celery_cluster_beat.schedules.occurrence import occurrence_task_id
 
 from procs import Proc, start_beat, wait_for, write_app
 
@@ -288,7 +288,7 @@ def test_colon_form_and_entry_point_alias_name_the_scheduler(tmp_path, broker, c
             proc.stop()
     for label, app in apps.items():
         out = procs[label].log()
-        assert "scheduler -> celery_cluster_beat.scheduler.Scheduler" in out, out
+        assert "scheduler -> celery_cluster_beat.beat.scheduler.Scheduler" in out, out
         assert "    . lease -> off" in out
         schedule, at, node, task_id = app.sent_occurrences()[0]
         assert schedule == "tick" and node

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_cluster_beat.errors import ConfigError
-from celery_cluster_beat.occurrence import Occurrence, occurrence_task_id
+from celery_cluster_beat.schedules.occurrence import Occurrence, occurrence_task_id
 from celery_cluster_beat.store import (
     SCHEMA_VERSION,
     ClaimStore,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_cluster_beat.urls import mask_url
+from celery_cluster_beat.leader.urls import mask_url
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .occurrence import Occurrence, utc_iso
+from ..schedules.instants import utc_iso
+from ..schedules.occurrence import Occurrence
 
 logger = logging.getLogger("celery_cluster_beat.publisher")
 

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
+
+from .instants import UTC, require_aware, utc_iso
 
 #: Fixed namespace for task ids: the same occurrence gets the same id on every
 #: host and on every resend, so a worker or a result backend can recognise it.
 TASK_ID_NAMESPACE = uuid.UUID("6f1c1b7e-3c38-5d2a-9a57-1f0d2c7c9b41")
-
-
-def utc_iso(at: datetime) -> str:
-    """ISO 8601 in UTC with a ``Z`` suffix, microseconds only when present."""
-    at = at.astimezone(timezone.utc)
-    text = at.replace(tzinfo=None).isoformat()
-    return text + "Z"
 
 
 def occurrence_task_id(schedule: str, at: datetime) -> str:
@@ -35,11 +30,7 @@ class Occurrence:
     task_id: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        if self.at.tzinfo is None:
-            raise ValueError(f"occurrence of {self.schedule!r}: naive datetime {self.at!r}")
-        if self.at.utcoffset():
-            object.__setattr__(self, "at", self.at.astimezone(timezone.utc))
-        elif self.at.tzinfo is not timezone.utc:
-            object.__setattr__(self, "at", self.at.replace(tzinfo=timezone.utc))
+        if self.at.tzinfo is not UTC:
+            object.__setattr__(self, "at", require_aware(self.at, f"occurrence of {self.schedule!r}"))
         if not self.task_id:
             object.__setattr__(self, "task_id", occurrence_task_id(self.schedule, self.at))

@@ -35,10 +35,10 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 from celery import states as celery_states
 
-from . import signals
-from .entries import Entry
-from .occurrence import Occurrence
-from .settings import Settings
+from .. import signals
+from ..config import Entry, Settings
+from ..config.celeryconf import has_result_backend
+from ..schedules.occurrence import Occurrence
 
 logger = logging.getLogger("celery_cluster_beat.guard")
 
@@ -95,8 +95,6 @@ class OverlapGuard:
         guarded = sorted(e.name for e in entries if self.policy(e) != "allow")
         if not guarded:
             return
-        from .scheduler import has_result_backend
-
         names = ", ".join(guarded[:5]) + (" ..." if len(guarded) > 5 else "")
         if not has_result_backend(self.app):
             logger.warning(
@@ -129,8 +127,6 @@ class OverlapGuard:
         """
         if not task_ids:
             return {}
-        from .scheduler import has_result_backend
-
         if not has_result_backend(self.app):
             return {t: celery_states.PENDING for t in task_ids}
         try:

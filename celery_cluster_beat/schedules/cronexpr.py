@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import calendar
 from dataclasses import dataclass
+from enum import Enum
 from typing import FrozenSet, Tuple
 
 from .errors import ScheduleError
 
-__all__ = ["CronSpec", "parse_cron", "FIELD_NAMES"]
+__all__ = ["CronSpec", "DayRule", "parse_cron", "FIELD_NAMES"]
 
 FIELD_NAMES = ("minute", "hour", "day-of-month", "month", "day-of-week")
 _BOUNDS = {"minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31), "month": (1, 12), "day-of-week": (0, 7)}
@@ -35,6 +36,13 @@ SHORTHANDS = {
 _UNSUPPORTED_CHARS = {"L": "last-day", "W": "nearest-weekday", "#": "nth-weekday", "?": "no-specific-value", "H": "hashed"}
 
 
+class DayRule(str, Enum):
+    """How the day-of-month and day-of-week fields combine when both are restricted."""
+
+    VIXIE = "vixie"  # OR, as Vixie cron
+    AND = "and"  # AND, as Celery's crontab
+
+
 @dataclass(frozen=True)
 class CronSpec:
     """The value sets of a cron expression plus the flags Vixie derives from its text.
@@ -54,12 +62,12 @@ class CronSpec:
     dom_star: bool
     dow_star: bool
     wildcard: bool
-    day_rule: str = "vixie"  # "vixie": OR when both day fields are restricted; "and": Celery's crontab
+    day_rule: DayRule = DayRule.VIXIE
 
     def day_matches(self, day: int, weekday_sun0: int) -> bool:
         dom = day in self.days
         dow = weekday_sun0 in self.weekdays
-        if self.day_rule == "vixie" and not (self.dom_star or self.dow_star):
+        if self.day_rule == DayRule.VIXIE and not (self.dom_star or self.dow_star):
             return dom or dow
         return dom and dow
 
@@ -160,7 +168,7 @@ def _check_can_fire(expr: str, days: FrozenSet[int], months: Tuple[int, ...], do
     raise _fail(expr, "day-of-month", f"{day_list} never occurs in {where}")
 
 
-def parse_cron(expr: str, *, day_rule: str = "vixie") -> CronSpec:
+def parse_cron(expr: str, *, day_rule: DayRule = DayRule.VIXIE) -> CronSpec:
     """Parse *expr* into a :class:`CronSpec`, raising :class:`ScheduleError` on any problem."""
     if not isinstance(expr, str):
         raise ScheduleError(f"cron {expr!r}: expression must be a string, not {type(expr).__name__}")
@@ -186,7 +194,7 @@ def parse_cron(expr: str, *, day_rule: str = "vixie") -> CronSpec:
     dom_star = fields[2].startswith("*")
     dow_star = fields[4].startswith("*")
     months = tuple(sorted(sets[3]))
-    dom_only = dow_star or day_rule == "and"
+    dom_only = dow_star or day_rule == DayRule.AND
     _check_can_fire(expr, sets[2], months, dom_only)
     return CronSpec(
         text=expr,
@@ -204,7 +212,7 @@ def parse_cron(expr: str, *, day_rule: str = "vixie") -> CronSpec:
 
 def spec_from_sets(
     text: str,
-    minutes, hours, days, months, weekdays, *, wildcard: bool, day_rule: str = "and"
+    minutes, hours, days, months, weekdays, *, wildcard: bool, day_rule: DayRule = DayRule.AND
 ) -> CronSpec:
     """Build a spec from already-expanded sets (Celery's ``crontab``), validating reachability."""
     months_t = tuple(sorted(months))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from datetime import date, datetime, time, timedelta, tzinfo
 from .errors import ScheduleError
-from .tzwall import UTC, resolve
+from .instants import EPOCH
+from .tzwall import resolve
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _DAY = timedelta(days=1)
 _BASELINE = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
 
@@ -38,12 +38,12 @@ def parse_baseline(text: object, what: str = "every") -> time:
 
 
 def _micros(at: datetime) -> int:
-    delta = at - _EPOCH
+    delta = at - EPOCH
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def _from_micros(us: int) -> datetime:
-    return _EPOCH + timedelta(microseconds=us)
+    return EPOCH + timedelta(microseconds=us)
 
 
 def epoch_next(step_us: int, after: datetime) -> datetime:

@@ -41,8 +41,9 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Engine, make_url
 
-from .errors import ConfigError
-from .occurrence import Occurrence
+from ..errors import ConfigError
+from ..schedules.occurrence import Occurrence
+from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
 from .schema import (
     SCHEMA_VERSION,
     STATUSES,
@@ -88,34 +89,6 @@ _SUPPORTED_BACKENDS = ("sqlite", "postgresql", "mysql", "mariadb")
 _PK = ("schedule", "scheduled_at")
 
 T = TypeVar("T")
-
-
-class StaleTermError(RuntimeError):
-    """A higher leader term is recorded in the database than the one we hold.
-
-    The caller is no longer (or was never) the leader: a newer leader has
-    already claimed with its term, so anything we claimed now could duplicate
-    its sends. Nothing was written by the refused call.
-    """
-
-    def __init__(self, seen_term: int, term: int) -> None:
-        self.seen_term = seen_term
-        self.term = term
-        super().__init__(
-            f"leader term {term} is stale: term {seen_term} is already recorded in the "
-            "claim database, so another node has become leader since; not claiming"
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling (multiprocessing, logging handlers)
-        return (type(self), (self.seen_term, self.term))
-
-
-class SchemaVersionError(ConfigError):
-    """The database was written by a newer celery-cluster-beat than this one.
-
-    Opening it anyway could corrupt data the newer version relies on, so we
-    refuse at start-up and say which versions are involved.
-    """
 
 
 def _aware(value: datetime, what: str) -> datetime:
@@ -405,7 +378,7 @@ class ClaimStore:
                     return work(conn)
             except sa.exc.DBAPIError as exc:
                 if attempt == _DEADLOCK_ATTEMPTS or not _is_deadlock(exc):
-                    raise
+                    raise StoreUnavailable.wrap(exc, self.url_masked) from exc
                 logger.info("claim store: deadlock (attempt %d), retrying: %s", attempt, exc.orig)
                 time.sleep(random.uniform(0.005, 0.05) * attempt)
         raise AssertionError("unreachable")  # pragma: no cover

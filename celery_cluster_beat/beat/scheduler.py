@@ -20,17 +20,17 @@ from celery import beat
 from celery.schedules import crontab
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import signals
+from .. import signals
+from ..config import Entry, Settings, build_entries, load_settings
+from ..config.celeryconf import has_result_backend
+from ..errors import ConfigError
+from ..leader.urls import mask_url
+from ..schedules.occurrence import Occurrence
+from ..store import ClaimStore, StaleTermError
 from .catchup import ON_TIME, plan_catchup
-from .entries import Entry, build_entries
 from .guard import OverlapGuard
-from .errors import ConfigError
 from .jitter import jitter_delay
-from .occurrence import Occurrence
 from .publisher import Dispatch, Publisher
-from .settings import Settings, load_settings
-from .store import ClaimStore, StaleTermError
-from .urls import mask_url
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -49,11 +49,6 @@ LOG_EACH_UNDER = 20
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def has_result_backend(app) -> bool:
-    backend = app.conf.result_backend
-    return bool(backend) and str(backend).split(":", 1)[0] not in ("disabled", "none")
 
 
 class Scheduler(beat.Scheduler):
@@ -129,8 +124,8 @@ class Scheduler(beat.Scheduler):
         self._guard = OverlapGuard(self.app, s)
         self._guard.warn_about_configuration(self.entries.values())
         if s.redis_url:
-            from .lease import RedisLease
-            from .redisconn import redis_client_from_url
+            from ..leader.lease import RedisLease
+            from ..leader.redisconn import redis_client_from_url
 
             url = s.redis_url
             same_as_broker = url == self.app.conf.broker_url

@@ -12,13 +12,24 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql as mysql_dialect
 
-from .occurrence import Occurrence
+from ..base import StrEnum
+from ..schedules.occurrence import Occurrence
 
 #: Version of the tables below. Bump it (and teach :meth:`ClaimStore.open` to
 #: migrate) whenever a released schema changes.
 SCHEMA_VERSION = 1
 
-STATUSES = ("claimed", "sent", "skipped", "missed", "failed")
+class ClaimStatus(StrEnum):
+    """Where an occurrence's row stands. Every occurrence ends as one of the last four."""
+
+    CLAIMED = "claimed"  # taken by a node, not yet published
+    SENT = "sent"
+    SKIPPED = "skipped"  # deliberately not sent (overlap guard)
+    MISSED = "missed"  # fell due while nobody could send it (catch-up policy)
+    FAILED = "failed"  # publishing failed for good
+
+
+STATUSES = tuple(s.value for s in ClaimStatus)
 
 
 def _naive_utc(value: datetime) -> datetime:

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .errors import ConfigError, ScheduleError
-from .schedules import ClusterSchedule, as_schedule
-from .settings import CATCHUP_POLICIES, OVERLAP_POLICIES
+from ..base import MAX_NAME_LENGTH
+from ..errors import ConfigError, ScheduleError
+from ..schedules import ClusterSchedule, as_schedule
+from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
 
 CELERY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
 OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description")
-MAX_NAME_LENGTH = 255
 
 
 @dataclass
@@ -28,24 +28,16 @@ class Entry:
     args: Tuple = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)
-    overlap: Optional[str] = None
+    overlap: Optional[OverlapPolicy] = None
     max_run_time: Optional[float] = None
     jitter: Optional[float] = None
-    catchup: Optional[str] = None
+    catchup: Optional[CatchupPolicy] = None
     catchup_window: Optional[float] = None
     enabled: bool = True
     description: str = ""
     # Celery's ScheduleEntry exposes these; tools that read beat's schedule expect them.
     last_run_at: Optional[datetime] = None
     total_run_count: int = 0
-
-
-def _seconds(value: Any, *, zero_ok: bool) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return f"expected a number of seconds, got {value!r}"
-    if value < 0 or (value == 0 and not zero_ok):
-        return f"must be {'zero or ' if zero_ok else ''}positive, got {value!r}"
-    return None
 
 
 def _check_options(options: Any) -> Optional[str]:
@@ -62,6 +54,10 @@ def _check_options(options: Any) -> Optional[str]:
         if value is not None and not isinstance(value, str) and not hasattr(value, "name"):
             return f"{key}: expected a string, got {value!r}"
     return None
+
+
+def _maybe(kind: Any, value: Any) -> Any:
+    return None if value is None else kind(value)
 
 
 def build_entry(name: Any, spec: Any, app=None) -> Tuple[Optional[Entry], List[str]]:
@@ -101,16 +97,16 @@ def build_entry(name: Any, spec: Any, app=None) -> Tuple[Optional[Entry], List[s
     reason = _check_options(options)
     if reason:
         bad("options", reason)
-    for key, choices in (("overlap", OVERLAP_POLICIES), ("catchup", CATCHUP_POLICIES)):
+    for key, kind in (("overlap", OverlapPolicy), ("catchup", CatchupPolicy)):
         value = spec.get(key)
-        if value is not None and value not in choices:
-            bad(key, f"expected one of {', '.join(choices)}, got {value!r}")
+        reason = None if value is None else choice_problem(value, kind)
+        if reason:
+            bad(key, reason)
     for key, zero_ok in (("max_run_time", False), ("jitter", True), ("catchup_window", False)):
         value = spec.get(key)
-        if value is not None:
-            reason = _seconds(value, zero_ok=zero_ok)
-            if reason:
-                bad(key, reason)
+        reason = None if value is None else seconds_problem(value, zero_ok=zero_ok)
+        if reason:
+            bad(key, reason)
     enabled = spec.get("enabled", True)
     if not isinstance(enabled, bool):
         bad("enabled", f"expected True or False, got {enabled!r}")
@@ -127,10 +123,10 @@ def build_entry(name: Any, spec: Any, app=None) -> Tuple[Optional[Entry], List[s
             args=tuple(args),
             kwargs=dict(kwargs),
             options=dict(options),
-            overlap=spec.get("overlap"),
+            overlap=_maybe(OverlapPolicy, spec.get("overlap")),
             max_run_time=spec.get("max_run_time"),
             jitter=spec.get("jitter"),
-            catchup=spec.get("catchup"),
+            catchup=_maybe(CatchupPolicy, spec.get("catchup")),
             catchup_window=spec.get("catchup_window"),
             enabled=enabled,
             description=description,

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import redis
 from redis.exceptions import RedisError
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .urls import mask_url
 
 __all__ = ["LeaseEvent", "RedisLease", "lease_keys"]
@@ -81,16 +81,23 @@ def lease_keys(name: str) -> "tuple[str, str, str]":
     return base + ":lease", base + ":term", base + ":released"
 
 
+# Every script starts with this: is a lease value ours (does it carry our token, ARGV[1])?
+_OURS = """
+local function ours(value)
+    return value and string.sub(value, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':'
+end
+"""
+
 # KEYS[1] lease key, KEYS[2] term counter
 # ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] node id, ARGV[4] lowest term the counter may hold
 # Returns {1, value} when we hold the lease now, {0, holder's value, holder's pttl} otherwise.
 # Idempotent for one token: if a previous call with the same token set the key but
 # its reply was lost, calling again returns that holding (and refreshes its ttl)
 # instead of locking ourselves out until it expires.
-_ACQUIRE = """
+_ACQUIRE = _OURS + """
 local current = redis.call('get', KEYS[1])
 if current then
-    if string.sub(current, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':' then
+    if ours(current) then
         redis.call('pexpire', KEYS[1], ARGV[2])
         return {1, current}
     end
@@ -108,9 +115,9 @@ return {1, value}
 """
 
 # KEYS[1] lease key; ARGV[1] token, ARGV[2] ttl in ms. 1 if renewed, 0 if not ours.
-_RENEW = """
+_RENEW = _OURS + """
 local current = redis.call('get', KEYS[1])
-if current and string.sub(current, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':' then
+if ours(current) then
     redis.call('pexpire', KEYS[1], ARGV[2])
     return 1
 end
@@ -119,9 +126,9 @@ return 0
 
 # KEYS[1] lease key; ARGV[1] token, ARGV[2] channel, ARGV[3] notice.
 # 1 if we deleted our key (and told the standbys), 0 if it was not ours.
-_RELEASE = """
+_RELEASE = _OURS + """
 local current = redis.call('get', KEYS[1])
-if current and string.sub(current, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':' then
+if ours(current) then
     redis.call('del', KEYS[1])
     redis.call('publish', ARGV[2], ARGV[3])
     return 1
@@ -152,8 +159,6 @@ def _parse_value(value: Any) -> "tuple[Optional[int], Optional[str]]":
 class _Holding:
     token: str
     term: int
-    value: str
-    acquired_at: float  # send time of the acquiring command
     last_renewed: float  # send time of the last successful acquire/renew
     valid_until: float
     next_renew_at: float
@@ -329,11 +334,6 @@ class RedisLease:
         if term is not None and term > self._term_floor:
             self._term_floor = term
 
-    def observe_term(self, term: int) -> None:
-        """Record a term seen elsewhere (e.g. in the claim store): later acquisitions exceed it."""
-        with self._lock:
-            self._observe(int(term))
-
     # -------------------------------------------------------------- operations
 
     def try_acquire(self) -> bool:
@@ -377,8 +377,6 @@ class RedisLease:
                 self._holding = _Holding(
                     token=token,
                     term=term,
-                    value=value,
-                    acquired_at=sent,
                     last_renewed=sent,
                     valid_until=sent + self.ttl - self.safety_margin,
                     next_renew_at=sent + self.ttl / 3.0,

@@ -20,7 +20,7 @@ from typing import Iterator, List
 
 from .cronexpr import CronSpec
 from .errors import ScheduleError
-from .tzwall import EXISTS, REPEATED, UTC, has_transition, resolve
+from .tzwall import EXISTS, REPEATED, has_transition, resolve
 
 _MINUTE = timedelta(minutes=1)
 _DAY = timedelta(days=1)
@@ -122,10 +122,3 @@ class CronTimes:
                 return later[0]
         raise AssertionError("unreachable")  # pragma: no cover
 
-
-def ensure_aware(value: datetime, what: str = "after") -> datetime:
-    if not isinstance(value, datetime):
-        raise TypeError(f"{what} must be a datetime, not {type(value).__name__}")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{what} must be an aware datetime (got naive {value.isoformat()}); attach a tzinfo")
-    return value.astimezone(UTC)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime
 
-from .occurrence import utc_iso
+from ..schedules.instants import utc_iso
 
 #: Never use more than this share of the gap to the next occurrence.
 GAP_SHARE = 0.9

@@ -14,17 +14,24 @@ A wall time is one of:
 from __future__ import annotations
 
 import bisect
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import datetime, timedelta, tzinfo
+from enum import Enum
 from functools import lru_cache
 from typing import List, Tuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .errors import ScheduleError
+from .instants import EPOCH, UTC
 
-UTC = timezone.utc
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+class WallKind(str, Enum):
+    """How a wall time maps to instants in a zone."""
 
-EXISTS, REPEATED, SKIPPED = "exists", "repeated", "skipped"
+    EXISTS = "exists"
+    REPEATED = "repeated"
+    SKIPPED = "skipped"
+
+
+EXISTS, REPEATED, SKIPPED = WallKind.EXISTS, WallKind.REPEATED, WallKind.SKIPPED
 
 
 @lru_cache(maxsize=None)
@@ -42,7 +49,7 @@ def zone_name(tz: tzinfo) -> str:
     return "UTC" if tz is UTC else getattr(tz, "key", None) or str(tz)
 
 
-def resolve(tz: tzinfo, wall: datetime) -> Tuple[str, Tuple[datetime, ...]]:
+def resolve(tz: tzinfo, wall: datetime) -> Tuple[WallKind, Tuple[datetime, ...]]:
     """Classify naive *wall* in *tz* and give its UTC instant(s).
 
     For ``skipped`` the single instant returned is the transition (gap end).
@@ -63,15 +70,15 @@ def resolve(tz: tzinfo, wall: datetime) -> Tuple[str, Tuple[datetime, ...]]:
 def _transition_between(tz: tzinfo, lo: datetime, hi: datetime) -> datetime:
     """First instant in (lo, hi] whose UTC offset differs from lo's (binary search on seconds)."""
     before = lo.astimezone(tz).utcoffset()
-    lo_s = int((lo - _EPOCH).total_seconds())
-    hi_s = int((hi - _EPOCH).total_seconds())
+    lo_s = int((lo - EPOCH).total_seconds())
+    hi_s = int((hi - EPOCH).total_seconds())
     while hi_s - lo_s > 1:
         mid = (lo_s + hi_s) // 2
-        if (_EPOCH + timedelta(seconds=mid)).astimezone(tz).utcoffset() == before:
+        if (EPOCH + timedelta(seconds=mid)).astimezone(tz).utcoffset() == before:
             lo_s = mid
         else:
             hi_s = mid
-    return _EPOCH + timedelta(seconds=hi_s)
+    return EPOCH + timedelta(seconds=hi_s)
 
 
 @lru_cache(maxsize=4096)

@@ -1,0 +1,141 @@
+"""The ``cluster_beat_*`` settings, read once from the Celery config and validated.
+
+Every problem is collected and reported together (naming the setting), so an
+operator fixes the configuration in one round trip rather than one error per
+restart.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List, Optional
+
+from ..base import MAX_NODE_ID_LENGTH
+from ..errors import ConfigError
+from ..leader.urls import mask_url
+from ..schedules.errors import ScheduleError
+from ..schedules.tzwall import get_zone
+from .celeryconf import RedisOptions, default_redis_url, redis_options
+from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
+
+DEFAULT_DB_URL = "sqlite:///celerybeat-cluster.sqlite3"
+
+
+@dataclass(frozen=True)
+class Settings:
+    db_url: str
+    node_id: str
+    redis_url: Optional[str]  # None: no lease
+    lock_ttl: float
+    catchup: CatchupPolicy
+    catchup_window: Optional[float]
+    catchup_max: int
+    overlap: OverlapPolicy
+    max_run_time: float
+    jitter: float
+    claim_retention: float
+    prune_interval: float
+    claim_grace: float
+    #: How the lease's Redis client is built (None: no lease); validated by building one.
+    redis: Optional[RedisOptions] = None
+
+    def __repr__(self) -> str:  # URLs may carry passwords: never print them
+        shown = ", ".join(
+            f"{f.name}={mask_url(v) if f.name.endswith('_url') and v else v!r}"
+            for f in fields(self) for v in (getattr(self, f.name),)
+        )
+        return f"Settings({shown})"
+
+
+def load_settings(conf: Any, *, has_result_backend: Callable[[], bool]) -> Settings:
+    """Read and validate every ``cluster_beat_*`` setting from Celery's *conf*."""
+    problems: List[str] = []
+    get = conf.get
+
+    def seconds(name: str, default: Any, *, zero_ok: bool = False) -> Any:
+        value = get(name)
+        value = default if value is None else value
+        problem = seconds_problem(value, zero_ok=zero_ok)
+        if problem:
+            problems.append(f"setting {name}: {problem}")
+            return None
+        return float(value)
+
+    def choice(name: str, default: Any, kind: Any) -> Any:
+        value = get(name) or default
+        problem = choice_problem(value, kind)
+        if problem:
+            problems.append(f"setting {name}: {problem}")
+            return None
+        return kind(value)
+
+    db_url = get("cluster_beat_db_url") or DEFAULT_DB_URL
+    if not isinstance(db_url, str) or "://" not in db_url:
+        problems.append(f"setting cluster_beat_db_url: expected an SQLAlchemy URL, got {db_url!r}")
+
+    node_id = get("cluster_beat_node_id") or f"{socket.gethostname()}:{os.getpid()}"
+    if not isinstance(node_id, str) or len(node_id) > MAX_NODE_ID_LENGTH:
+        problems.append(f"setting cluster_beat_node_id: expected a string of at most "
+                        f"{MAX_NODE_ID_LENGTH} characters, got {node_id!r}")
+
+    lock_ttl = seconds("cluster_beat_lock_ttl", 5.0)
+    if lock_ttl is not None and lock_ttl < 0.5:
+        problems.append(f"setting cluster_beat_lock_ttl: must be at least 0.5 s, got {lock_ttl!r}")
+
+    redis_url = get("cluster_beat_redis_url")
+    if redis_url is None:
+        redis_url = default_redis_url(conf)
+    elif not isinstance(redis_url, str):
+        problems.append(f"setting cluster_beat_redis_url: expected a redis:// URL or '', got {type(redis_url).__name__}")
+        redis_url = None
+    redis = None
+    if redis_url:
+        redis = redis_options(conf, redis_url, lock_ttl or 5.0)
+        try:  # builds the very client the lease will use, without connecting
+            redis.client().close()
+        except ValueError as exc:
+            problems.append(f"setting cluster_beat_redis_url: {exc}")
+    else:
+        redis_url = None
+
+    catchup = choice("cluster_beat_catchup", CatchupPolicy.LATEST, CatchupPolicy)
+    catchup_window = get("cluster_beat_catchup_window")
+    if catchup_window is not None:
+        catchup_window = seconds("cluster_beat_catchup_window", None)
+    catchup_max = get("cluster_beat_catchup_max")
+    catchup_max = 100 if catchup_max is None else catchup_max
+    if isinstance(catchup_max, bool) or not isinstance(catchup_max, int) or catchup_max < 1:
+        problems.append(f"setting cluster_beat_catchup_max: expected a positive integer, got {catchup_max!r}")
+    overlap_default = OverlapPolicy.SKIP if has_result_backend() else OverlapPolicy.ALLOW
+    overlap = choice("cluster_beat_overlap", overlap_default, OverlapPolicy)
+    max_run_time = seconds("cluster_beat_max_run_time", 600.0)
+    jitter = seconds("cluster_beat_jitter", 0.0, zero_ok=True)
+    retention = seconds("cluster_beat_claim_retention", 7 * 86400.0)
+    prune_interval = seconds("cluster_beat_prune_interval", 60.0)
+    claim_grace = seconds("cluster_beat_claim_grace", 10.0)
+    zone = get("timezone")  # entries without a zone of their own follow it: check it before anything opens
+    if isinstance(zone, str) and zone:
+        try:
+            get_zone(zone)
+        except ScheduleError as exc:
+            problems.append(f"setting timezone: {exc}")
+
+    if problems:
+        raise ConfigError(problems)
+    return Settings(
+        db_url=db_url,
+        node_id=node_id,
+        redis_url=redis_url,
+        lock_ttl=lock_ttl,
+        catchup=catchup,
+        catchup_window=catchup_window,
+        catchup_max=catchup_max,
+        overlap=overlap,
+        max_run_time=max_run_time,
+        jitter=jitter,
+        claim_retention=retention,
+        prune_interval=prune_interval,
+        claim_grace=claim_grace,
+        redis=redis,
+    )

@@ -1,0 +1,146 @@
+"""Celery's side of the schedules: ``cron`` and ``every`` as Celery schedules,
+and conversion of Celery's own schedule types.
+
+The only module of :mod:`celery_cluster_beat.schedules` that imports Celery.
+The rules (:mod:`.rules`) decide when a schedule fires; this adds Celery's
+``BaseSchedule`` interface (``is_due`` / ``remaining_estimate``), so the same
+object also works in a ``beat_schedule`` under stock Celery beat, and makes a
+rule without a zone follow the Celery app's ``timezone``.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, tzinfo
+from typing import Any, Optional
+
+from celery import schedules as celery_schedules
+
+from .cronexpr import CronSpec, spec_from_sets
+from .errors import ScheduleError
+from .instants import UTC
+from .rules import CronRule, EveryRule, Interval, ScheduleRule
+from .tzwall import get_zone, zone_name
+
+__all__ = ["cron", "every", "ClusterSchedule", "as_schedule", "app_zone"]
+
+
+def app_zone(app: Any) -> tzinfo:
+    """The zone of a Celery app's ``timezone`` setting; UTC when unset."""
+    name = app.conf.timezone
+    return get_zone(name if isinstance(name, str) else zone_name(name)) if name else UTC
+
+
+class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
+    """A rule that is also a Celery ``BaseSchedule``; without a zone of its own it
+    follows the app's ``timezone`` (UTC when unset)."""
+
+    def _fallback_zone(self) -> tzinfo:
+        app = self._app
+        if app is None:  # follows whichever app is current: resolve every time
+            try:
+                return app_zone(self.app)
+            except Exception:  # no current app: UTC, as documented
+                return UTC
+        cached = getattr(self, "_zone_cache", None)
+        if cached is None or cached[0] is not app:  # bound app: read its config once, not per call
+            cached = self._zone_cache = (app, app_zone(app))
+        return cached[1]
+
+    # -- Celery's BaseSchedule interface ---------------------------------------
+    def _aware(self, dt: datetime) -> datetime:
+        if dt.tzinfo is None:
+            dt = self.maybe_make_aware(dt)
+        return dt.astimezone(UTC)
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        now = self._aware(self.now())
+        return self.next_fire(self._aware(last_run_at)) - now
+
+    def is_due(self, last_run_at: datetime) -> celery_schedules.schedstate:
+        now = self._aware(self.now())
+        due = self.next_fire(self._aware(last_run_at)) <= now
+        return celery_schedules.schedstate(due, (self.next_fire(now) - now).total_seconds())
+
+    # BaseSchedule defines these too: the rule's value equality wins.
+    __eq__ = ScheduleRule.__eq__
+    __ne__ = ScheduleRule.__ne__
+    __hash__ = ScheduleRule.__hash__
+
+
+class cron(ClusterSchedule, CronRule):
+    """A 5-field cron expression with Vixie semantics in an IANA zone.
+
+    ``tz=None`` follows the Celery app's ``timezone`` (UTC when unset).
+    Invalid input raises :class:`ScheduleError` here, at construction, so a
+    bad entry is reported at start-up rather than at its first fire.
+    """
+
+    def __init__(self, expr: str, tz: Optional[str] = None, *, nowfun=None, app=None,
+                 _spec: Optional[CronSpec] = None):
+        celery_schedules.BaseSchedule.__init__(self, nowfun=nowfun, app=app)
+        CronRule.__init__(self, expr, tz, _spec=_spec)
+
+    def __reduce__(self):
+        return (_rebuild_cron, self._rebuild_args())
+
+    @classmethod
+    def from_crontab(cls, c: celery_schedules.crontab, app=None) -> "cron":
+        """Convert Celery's crontab, keeping its field sets and its AND day rule."""
+        label = "crontab({})".format(
+            ", ".join(
+                f"{k}={getattr(c, '_orig_' + k)!r}"
+                for k in ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
+            )
+        )
+        wildcard = any(str(getattr(c, "_orig_" + k)).startswith("*") for k in ("minute", "hour"))
+        spec = spec_from_sets(
+            label, c.minute, c.hour, c.day_of_month, c.month_of_year, c.day_of_week, wildcard=wildcard
+        )
+        tz = c.__dict__.get("tz")
+        return cls(label, tz=zone_name(tz) if tz is not None else None, app=app, _spec=spec)
+
+
+def _rebuild_cron(expr: str, tz: Optional[str], spec: Optional[CronSpec] = None) -> cron:
+    return cron(expr, tz, _spec=spec)
+
+
+class every(ClusterSchedule, EveryRule):
+    """A fixed interval on a grid every replica computes alike (see :class:`.rules.EveryRule`)."""
+
+    def __init__(self, interval: Interval, *, baseline: Optional[str] = None, tz: Optional[str] = None,
+                 nowfun=None, app=None):
+        celery_schedules.BaseSchedule.__init__(self, nowfun=nowfun, app=app)
+        EveryRule.__init__(self, interval, baseline=baseline, tz=tz)
+
+    def __reduce__(self):
+        return (_rebuild_every, (self.step_us, self.baseline, self.tz_name))
+
+
+def _rebuild_every(step_us: int, baseline: Optional[str], tz: Optional[str]) -> every:
+    return every(timedelta(microseconds=step_us), baseline=baseline, tz=tz)
+
+
+def as_schedule(value: Any, app=None) -> ClusterSchedule:
+    """Our schedule for a ``beat_schedule`` value (ours or Celery's).
+
+    * ``crontab`` keeps its field sets and Celery's AND rule for the two day
+      fields, in the crontab's own zone (``c.tz``) or the app's;
+    * ``schedule``, ``timedelta`` and plain seconds become :class:`every` on the
+      epoch grid (Celery counts from the last run; we do not);
+    * a string is read as a cron expression in the app's zone.
+    """
+    if isinstance(value, ClusterSchedule):
+        if app is not None and value._app is None:
+            value.app = app
+        return value
+    if isinstance(value, str):  # a cron expression written as text: checked here, field by field
+        return cron(value, app=app)
+    if isinstance(value, celery_schedules.crontab):
+        return cron.from_crontab(value, app=app)
+    if isinstance(value, celery_schedules.schedule) and type(value) is celery_schedules.schedule:
+        return every(value.run_every, app=app)
+    if isinstance(value, timedelta) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return every(value, app=app)
+    raise ScheduleError(
+        f"schedule {value!r} is not supported: use cron(), every(), a cron expression string, "
+        "celery's crontab or schedule, a timedelta or a number of seconds"
+    )

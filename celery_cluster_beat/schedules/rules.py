@@ -1,0 +1,161 @@
+"""The schedule rules themselves: when a cron expression or an interval fires.
+
+Pure: no Celery, no I/O. A rule answers ``next_fire(after)`` with an aware UTC
+instant that every replica computes alike. Where a rule has no zone of its own
+it asks :meth:`ScheduleRule._fallback_zone`, which is UTC here and the Celery
+app's ``timezone`` in :mod:`.celery_types`, where the public ``cron`` and
+``every`` add Celery's ``BaseSchedule`` face to these rules.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, tzinfo
+from functools import lru_cache
+from typing import Any, List, Optional, Tuple, Union
+
+from .cronexpr import CronSpec, DayRule, parse_cron
+from .crontimes import CronTimes
+from .errors import ScheduleError
+from .instants import UTC, require_aware
+from .intervals import baseline_next, epoch_next, interval_micros, parse_baseline
+from .tzwall import get_zone, zone_name
+
+__all__ = ["ScheduleRule", "CronRule", "EveryRule", "Interval"]
+
+Interval = Union[int, float, timedelta]
+
+
+@lru_cache(maxsize=4096)
+def _parse(expr: str) -> CronSpec:
+    return parse_cron(expr)
+
+
+@lru_cache(maxsize=16384)
+def _cron_times(spec: CronSpec, tz: tzinfo) -> CronTimes:
+    # Many entries share an expression: one calculator per (spec, zone).
+    return CronTimes(spec, tz)
+
+
+def _zone_name(what: str, tz: Any) -> Optional[str]:
+    """The IANA name of *tz* (a name or a tzinfo), checked; ScheduleError naming *what*."""
+    if tz is None:
+        return None
+    name = tz if isinstance(tz, str) else zone_name(tz)
+    try:
+        get_zone(name)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{what}: {exc}") from None
+    return name
+
+
+class ScheduleRule:
+    """Fire instants in UTC, equality by value (two replicas' rules compare equal)."""
+
+    tz_name: Optional[str]
+
+    def _zone(self) -> tzinfo:
+        if self.tz_name is not None:
+            return get_zone(self.tz_name)
+        return self._fallback_zone()
+
+    def _fallback_zone(self) -> tzinfo:
+        """The zone of a rule that names none."""
+        return UTC
+
+    def next_fire(self, after: datetime) -> datetime:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def fires_between(self, start: datetime, end: datetime, limit: Optional[int] = None) -> List[datetime]:
+        """Scheduled instants in (start, end], oldest first; at most *limit* of them."""
+        t = require_aware(start, "start")
+        end = require_aware(end, "end")
+        out: List[datetime] = []
+        while limit is None or len(out) < limit:
+            t = self.next_fire(t)
+            if t > end:
+                break
+            out.append(t)
+        return out
+
+    def _key(self) -> Tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __eq__(self, other: Any) -> bool:
+        if type(other) is type(self):
+            return self._key() == other._key()
+        return NotImplemented
+
+    def __ne__(self, other: Any) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__,) + self._key())
+
+
+class CronRule(ScheduleRule):
+    """A 5-field cron expression with Vixie semantics in an IANA zone.
+
+    Invalid input raises :class:`ScheduleError` at construction, so a bad entry
+    is reported at start-up rather than at its first fire.
+    """
+
+    def __init__(self, expr: str, tz: Any = None, *, _spec: Optional[CronSpec] = None) -> None:
+        self.spec = _spec if _spec is not None else _parse(expr)
+        self.expr = expr
+        self.tz_name = _zone_name(f"cron {expr!r}", tz)
+
+    def next_fire(self, after: datetime) -> datetime:
+        """First scheduled instant strictly after *after* (aware), as aware UTC."""
+        return _cron_times(self.spec, self._zone()).next_after(require_aware(after))
+
+    def _key(self) -> Tuple:
+        return (self.spec, self.tz_name)
+
+    def _rebuild_args(self) -> Tuple:
+        """What pickling needs to build an equal rule (the spec only when the text cannot give it)."""
+        if self.spec.text == self.expr and self.spec.day_rule == DayRule.VIXIE:
+            return (self.expr, self.tz_name)
+        return (self.expr, self.tz_name, self.spec)
+
+    def __repr__(self) -> str:
+        return f"<cron {self.expr!r}{' tz=' + self.tz_name if self.tz_name else ''}>"
+
+
+class EveryRule(ScheduleRule):
+    """A fixed interval on a grid every replica computes alike.
+
+    Without *baseline*: the instants ``k * interval`` since 1970-01-01T00:00Z
+    (unlike Celery's ``schedule``, which counts from the last run and so
+    differs per process). With ``baseline="HH:MM"``: anchored at that wall time
+    in *tz* every day, then every *interval* of elapsed time until the next
+    day's anchor.
+    """
+
+    def __init__(self, interval: Interval, *, baseline: Optional[str] = None, tz: Any = None) -> None:
+        what = f"every({interval!r})"
+        self.step_us = interval_micros(interval, what)
+        self.interval = timedelta(microseconds=self.step_us)
+        self.baseline = baseline
+        self._baseline_time = parse_baseline(baseline, what) if baseline is not None else None
+        self.tz_name = _zone_name(what, tz)
+
+    @property
+    def run_every(self) -> timedelta:
+        return self.interval
+
+    def next_fire(self, after: datetime) -> datetime:
+        """First scheduled instant strictly after *after* (aware), as aware UTC."""
+        after = require_aware(after)
+        if self._baseline_time is None:
+            return epoch_next(self.step_us, after)
+        return baseline_next(self.step_us, self._zone(), self._baseline_time, after)
+
+    def _key(self) -> Tuple:
+        return (self.step_us, self.baseline, self.tz_name if self.baseline else None)
+
+    def __repr__(self) -> str:
+        seconds = self.step_us / 1_000_000
+        text = f"{seconds:g}s"
+        if self.baseline:
+            text += f" from {self.baseline}" + (f" {self.tz_name}" if self.tz_name else "")
+        return f"<every {text}>"

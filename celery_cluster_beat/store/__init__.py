@@ -1,0 +1,16 @@
+"""The SQL tick-claim store: the one place that makes "at most once" true.
+
+Owns the tables (:mod:`.schema`), the public :class:`ClaimStore` API
+(:mod:`.claims`), and the per-dialect SQL behind one seam
+(:mod:`.dialects`: SQLite, PostgreSQL, MySQL/MariaDB). Callers see
+occurrences, statuses and :class:`StoreUnavailable`, never SQLAlchemy.
+
+May import: SQLAlchemy, schedules (occurrences), errors, base. Nothing from
+leader, config or beat: a fencing term arrives as a plain integer.
+"""
+from .claims import ClaimStore
+from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
+from .schema import SCHEMA_VERSION, ClaimRow, ClaimStatus, ScheduleState
+
+__all__ = ["ClaimStore", "ClaimRow", "ClaimStatus", "ScheduleState", "SCHEMA_VERSION",
+           "SchemaVersionError", "StaleTermError", "StoreUnavailable"]

@@ -1,0 +1,50 @@
+"""What the claim store raises, so callers need not know SQLAlchemy."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+
+
+class StoreUnavailable(RuntimeError):
+    """The claim database could not do what was asked (unreachable, timed out, refused).
+
+    The one error type the store raises for database trouble: the beat loop
+    backs off on it without importing SQLAlchemy. The message is the error's
+    class and first line with the URL's password masked, never the SQL or its
+    parameters; the original exception is the ``__cause__``.
+    """
+
+    @classmethod
+    def wrap(cls, exc: BaseException, where: str) -> "StoreUnavailable":
+        orig = getattr(exc, "orig", None) or exc
+        first = (str(orig).strip().splitlines() or [""])[0]
+        return cls(f"claim store {where}: {type(orig).__name__}: {first}")
+
+
+class StaleTermError(RuntimeError):
+    """A higher leader term is recorded in the database than the one we hold.
+
+    The caller is no longer (or was never) the leader: a newer leader has
+    already claimed with its term, so anything we claimed now could duplicate
+    its sends. Nothing was written by the refused call.
+    """
+
+    def __init__(self, seen_term: int, term: int) -> None:
+        self.seen_term = seen_term
+        self.term = term
+        super().__init__(
+            f"leader term {term} is stale: term {seen_term} is already recorded in the "
+            "claim database, so another node has become leader since; not claiming"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survive pickling (multiprocessing, logging handlers)
+        return (type(self), (self.seen_term, self.term))
+
+
+class SchemaVersionError(ConfigError):
+    """The database was written by a newer celery-cluster-beat than this one.
+
+    Opening it anyway could corrupt data the newer version relies on, so we
+    refuse at start-up and say which versions are involved.
+    """

@@ -20,6 +20,10 @@ How the previous run's state is read:
 * No result backend at all: every run reads as PENDING, so a guarded
   schedule runs at most once per ``max_run_time`` (a start-up warning says so).
 
+The decisions (:meth:`OverlapGuard.filter`) are apart from how states are
+read (:class:`ResultBackendStates`, injected), so the decision table can be
+exercised without a backend.
+
 The watchdog: a run still *in flight* past ``max_run_time`` (a hung task, or a
 worker that died with it STARTED) no longer blocks: the next fire goes through,
 a warning is logged and ``watchdog_fired`` is sent, once per run. Under
@@ -36,7 +40,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 from celery import states as celery_states
 
 from .. import signals
-from ..config import Entry, Settings
+from ..base import StrEnum
+from ..config import Entry, OverlapPolicy, Settings
 from ..config.celeryconf import has_result_backend
 from ..schedules.occurrence import Occurrence
 
@@ -47,12 +52,22 @@ FINISHED = frozenset(celery_states.READY_STATES) | {celery_states.IGNORED}
 #: How often a buffered occurrence re-reads its predecessor's state (seconds).
 BUFFER_POLL = 0.25
 
-#: Verdicts on the previous run of a schedule.
-FREE = "free"  # finished, unknown-and-old, never sent, or unreadable (fail open)
-BUSY = "busy"  # in flight, younger than max_run_time
-OVERDUE = "overdue"  # in flight past max_run_time: the watchdog lets the next fire through
+
+
+class Verdict(StrEnum):
+    """The guard's verdict on the previous run of a schedule."""
+
+    FREE = "free"  # finished, unknown-and-old, never sent, or unreadable (fail open)
+    BUSY = "busy"  # in flight, younger than max_run_time
+    OVERDUE = "overdue"  # in flight past max_run_time: the watchdog lets the next fire through
+
+
+FREE, BUSY, OVERDUE = Verdict.FREE, Verdict.BUSY, Verdict.OVERDUE
 
 Pair = Tuple[Entry, Occurrence]
+#: Reads task states: task ids in, ``{task id: state}`` out; a state is None when it
+#: cannot be read (the guard then fails open), PENDING when the backend has no record.
+StateReader = Callable[[Sequence[str]], Dict[str, Optional[str]]]
 
 
 @dataclass
@@ -71,76 +86,32 @@ class _LastRun:
     watchdog_fired: bool = False
 
 
-class OverlapGuard:
-    def __init__(self, app, settings: Settings, refresh: Optional[Callable[[List[str]], Iterable]] = None) -> None:
+class ResultBackendStates:
+    """Task states from the app's result backend, in one round trip where the backend allows it."""
+
+    def __init__(self, app) -> None:
         self.app = app
-        self.settings = settings
-        #: Without a lease every replica may send any fire, so before deciding, the guard re-reads
-        #: the last sent run of the due schedules from the store (``ClaimStore.schedule_states``).
-        self.refresh = refresh
-        self._last: Dict[str, _LastRun] = {}
-        self._buffer: Dict[str, Pair] = {}
-        self._next_poll = 0.0
-        self._backend_warned_at = float("-inf")
+        self._warned_at = float("-inf")
 
-    def policy(self, entry: Entry) -> str:
-        return entry.overlap or self.settings.overlap
-
-    def max_run_time(self, entry: Entry) -> float:
-        return entry.max_run_time if entry.max_run_time is not None else self.settings.max_run_time
-
-    # -- start-up ------------------------------------------------------------------
-    def warn_about_configuration(self, entries: Iterable[Entry]) -> None:
-        """Say clearly when a guard policy cannot see what it needs to."""
-        guarded = sorted(e.name for e in entries if self.policy(e) != "allow")
-        if not guarded:
-            return
-        names = ", ".join(guarded[:5]) + (" ..." if len(guarded) > 5 else "")
-        if not has_result_backend(self.app):
-            logger.warning(
-                "cluster-beat: overlap guard on %s but the app has no result backend: every run looks PENDING, "
-                "so each blocks the next one for max_run_time (%gs) whether it finished or not. "
-                "Configure result_backend, or set overlap='allow'.", names, self.settings.max_run_time)
-        elif not self.app.conf.task_track_started:
-            logger.warning(
-                "cluster-beat: overlap guard on %s with task_track_started=False: a running task is stored "
-                "as PENDING, not STARTED, so it counts as in flight only until max_run_time (%gs). "
-                "Set task_track_started=True for the guard to see long runs.", names, self.settings.max_run_time)
-
-    def load(self, states) -> None:
-        """Adopt the last sent run of each schedule from the store (a new leader inherits them)."""
-        for st in states:
-            if st.last_task_id and st.last_sent_at is not None:
-                current = self._last.get(st.name)
-                if current is None or current.sent_at < st.last_sent_at:
-                    self._last[st.name] = _LastRun(st.last_task_id, st.last_sent_at)
-
-    def sent(self, entry: Entry, occ: Occurrence) -> None:
-        self._last[entry.name] = _LastRun(occ.task_id, datetime.now(timezone.utc))
-
-    # -- result state ----------------------------------------------------------------
-    def _states(self, task_ids: Sequence[str]) -> Dict[str, Optional[str]]:
-        """Task id -> state, in one round trip where the backend allows it.
-
-        PENDING for an id the backend does not know; None for every id when the
-        backend cannot be read (the caller fails open).
-        """
+    def __call__(self, task_ids: Sequence[str]) -> Dict[str, Optional[str]]:
+        """Task id -> state: PENDING for an id the backend does not know; None for
+        every id when the backend cannot be read (the caller fails open)."""
         if not task_ids:
             return {}
         if not has_result_backend(self.app):
             return {t: celery_states.PENDING for t in task_ids}
         try:
-            return self._read_states(self.app.backend, list(task_ids))
+            return self._read(self.app.backend, list(task_ids))
         except Exception as exc:  # backend down: fail open, a run is not blocked by an unknown
             mono = time.monotonic()
-            if mono - self._backend_warned_at >= 60:
-                self._backend_warned_at = mono
+            if mono - self._warned_at >= 60:
+                self._warned_at = mono
                 logger.warning("cluster-beat: cannot read task states from the result backend, "
                                "overlap guard open: %r", exc)
             return {t: None for t in task_ids}
 
     @staticmethod
-    def _read_states(backend, task_ids: List[str]) -> Dict[str, str]:
+    def _read(backend, task_ids: List[str]) -> Dict[str, str]:
         pending = celery_states.PENDING
         if hasattr(backend, "get_key_for_task") and hasattr(backend, "mget"):
             keys = [backend.get_key_for_task(t) for t in task_ids]
@@ -166,7 +137,57 @@ class OverlapGuard:
             return {t: found.get(t) or pending for t in task_ids}
         return {t: backend._get_task_meta_for(t).get("status", pending) for t in task_ids}
 
-    def _assess(self, entry: Entry, last: Optional[_LastRun], state: Optional[str], now: datetime) -> str:
+
+class OverlapGuard:
+    def __init__(self, app, settings: Settings, refresh: Optional[Callable[[List[str]], Iterable]] = None,
+                 states: Optional[StateReader] = None) -> None:
+        self.app = app
+        self.settings = settings
+        #: Where task states come from; the result backend unless a test or another source says otherwise.
+        self.states: StateReader = states if states is not None else ResultBackendStates(app)
+        #: Without a lease every replica may send any fire, so before deciding, the guard re-reads
+        #: the last sent run of the due schedules from the store (``ClaimStore.schedule_states``).
+        self.refresh = refresh
+        self._last: Dict[str, _LastRun] = {}
+        self._buffer: Dict[str, Pair] = {}
+        self._next_poll = 0.0
+
+    def policy(self, entry: Entry) -> OverlapPolicy:
+        return entry.overlap or self.settings.overlap
+
+    def max_run_time(self, entry: Entry) -> float:
+        return entry.max_run_time if entry.max_run_time is not None else self.settings.max_run_time
+
+    # -- start-up ------------------------------------------------------------------
+    def warn_about_configuration(self, entries: Iterable[Entry]) -> None:
+        """Say clearly when a guard policy cannot see what it needs to."""
+        guarded = sorted(e.name for e in entries if self.policy(e) != OverlapPolicy.ALLOW)
+        if not guarded:
+            return
+        names = ", ".join(guarded[:5]) + (" ..." if len(guarded) > 5 else "")
+        if not has_result_backend(self.app):
+            logger.warning(
+                "cluster-beat: overlap guard on %s but the app has no result backend: every run looks PENDING, "
+                "so each blocks the next one for max_run_time (%gs) whether it finished or not. "
+                "Configure result_backend, or set overlap='allow'.", names, self.settings.max_run_time)
+        elif not self.app.conf.task_track_started:
+            logger.warning(
+                "cluster-beat: overlap guard on %s with task_track_started=False: a running task is stored "
+                "as PENDING, not STARTED, so it counts as in flight only until max_run_time (%gs). "
+                "Set task_track_started=True for the guard to see long runs.", names, self.settings.max_run_time)
+
+    def load(self, states) -> None:
+        """Adopt the last sent run of each schedule from the store (a new leader inherits them)."""
+        for st in states:
+            if st.last_task_id and st.last_sent_at is not None:
+                current = self._last.get(st.name)
+                if current is None or current.sent_at < st.last_sent_at:
+                    self._last[st.name] = _LastRun(st.last_task_id, st.last_sent_at)
+
+    def sent(self, entry: Entry, occ: Occurrence) -> None:
+        self._last[entry.name] = _LastRun(occ.task_id, datetime.now(timezone.utc))
+
+    def _assess(self, entry: Entry, last: Optional[_LastRun], state: Optional[str], now: datetime) -> Verdict:
         if last is None or state is None or state in FINISHED:
             return FREE
         age = (now - last.sent_at).total_seconds()
@@ -190,18 +211,18 @@ class OverlapGuard:
     def filter(self, candidates: Sequence[Pair], now: datetime) -> GuardDecision:
         """Split due occurrences into send / skip / buffer (one state read for all)."""
         decision = GuardDecision()
-        guarded = [(e, o) for e, o in candidates if self.policy(e) != "allow"]
+        guarded = [(e, o) for e, o in candidates if self.policy(e) != OverlapPolicy.ALLOW]
         if not guarded:
             decision.send = list(candidates)
             return decision
         if self.refresh is not None:  # may raise the store's error: the caller retries the whole batch
             self.load(self.refresh(sorted({e.name for e, _ in guarded})))
-        states = self._states(sorted({self._last[e.name].task_id for e, _ in guarded if e.name in self._last}))
-        verdicts: Dict[str, str] = {}
+        states = self.states(sorted({self._last[e.name].task_id for e, _ in guarded if e.name in self._last}))
+        verdicts: Dict[str, Verdict] = {}
         taken: set = set()  # entries with an occurrence already sent in this batch
         for entry, occ in candidates:
             policy = self.policy(entry)
-            if policy == "allow":
+            if policy == OverlapPolicy.ALLOW:
                 decision.send.append((entry, occ))
                 continue
             name = entry.name
@@ -214,14 +235,14 @@ class OverlapGuard:
                 verdict = BUSY
             elif name in self._buffer:
                 verdict = BUSY  # an earlier occurrence waits in the buffer and goes first
-            if policy == "replace" and name not in taken and verdict != FREE:
+            if policy == OverlapPolicy.REPLACE and name not in taken and verdict != FREE:
                 taken.add(name)
                 decision.replaces[occ] = last.task_id
                 decision.send.append((entry, occ))
             elif verdict != BUSY:
                 taken.add(name)
                 decision.send.append((entry, occ))
-            elif policy == "buffer_one" and name not in self._buffer:
+            elif policy == OverlapPolicy.BUFFER_ONE and name not in self._buffer:
                 self._buffer[name] = (entry, occ)
                 decision.buffered.append((entry, occ))
             else:
@@ -243,7 +264,7 @@ class OverlapGuard:
         if not self._buffer:
             return []
         ids = sorted({self._last[name].task_id for name in self._buffer if name in self._last})
-        states = self._states(ids)
+        states = self.states(ids)
         out: List[Pair] = []
         for name, (entry, occ) in list(self._buffer.items()):
             last = self._last.get(name)

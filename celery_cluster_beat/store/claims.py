@@ -1018,7 +1018,7 @@ class ClaimStore:
         return {name: at for name, at in rows}
 
     def schedule_states(self, names: Iterable[str] | None = None) -> list[ScheduleState]:
-        """Per-schedule state and counters, by name, for the status command (only *names*, if given)."""
+        """Per-schedule state and counters, by name, for operators and the overlap guard (only *names*, if given)."""
         t = schedules_table
         if names is None:
             rows = self._run(lambda conn: conn.execute(sa.select(t).order_by(t.c.name)).all(), write=False)

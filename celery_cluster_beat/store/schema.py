@@ -174,7 +174,7 @@ meta_table = sa.Table(
 
 @dataclass(frozen=True)
 class ClaimRow:
-    """One row of ``cluster_beat_claims`` as the status command shows it."""
+    """One row of ``cluster_beat_claims`` as an operator reads it."""
 
     schedule: str
     scheduled_at: datetime

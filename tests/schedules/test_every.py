@@ -26,7 +26,7 @@ from celery_cluster_beat import ScheduleError, every
 
 UTC = timezone.utc
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def utc(text: str) -> datetime:

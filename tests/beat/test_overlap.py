@@ -551,7 +551,7 @@ def test_database_backend_states_are_read_in_one_query(pg_url):
     listener = lambda conn, cursor, statement, *a: selects.append(statement)  # noqa: E731
     sa.event.listen(sa.engine.Engine, "before_cursor_execute", listener)  # every engine, this process
     try:
-        got = guard._states(sorted(ids) + [unknown])
+        got = guard.states(sorted(ids) + [unknown])
     finally:
         sa.event.remove(sa.engine.Engine, "before_cursor_execute", listener)
         for engine in getattr(backend.session_manager, "_engines", {}).values():
@@ -573,7 +573,7 @@ def test_other_key_value_backends_are_read_in_one_call_too():
     backend.mget = lambda keys: calls.append(list(keys)) or real(keys)
     backend.store_result("run-1", None, "STARTED")
     backend.store_result("run-2", None, "SUCCESS")
-    assert guard._states(["run-1", "run-2", "run-3"]) == {"run-1": "STARTED", "run-2": "SUCCESS", "run-3": "PENDING"}
+    assert guard.states(["run-1", "run-2", "run-3"]) == {"run-1": "STARTED", "run-2": "SUCCESS", "run-3": "PENDING"}
     assert len(calls) == 1
 
 
@@ -585,7 +585,7 @@ def _guard_for(app, **settings):
     from celery_cluster_beat.config.settings import load_settings
 
     app.conf.update({f"cluster_beat_{k}": v for k, v in settings.items()})
-    from celery_cluster_beat.beat.scheduler import has_result_backend
+    from celery_cluster_beat.config.celeryconf import has_result_backend
 
     return OverlapGuard(app, load_settings(app.conf, has_result_backend=lambda: has_result_backend(app)))
 

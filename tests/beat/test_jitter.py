@@ -25,7 +25,7 @@ from celery_cluster_beat.beat.jitter import GAP_SHARE, jitter_delay
 from celery_cluster_beat.store import ClaimStore
 
 UTC = timezone.utc
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 3, 29, 0, 30, tzinfo=UTC)
 
 SAMPLES = [(f"report-{i % 7}", T0 + timedelta(minutes=i), 30.0, T0 + timedelta(minutes=i + 1)) for i in range(200)]

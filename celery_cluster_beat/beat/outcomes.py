@@ -1,0 +1,51 @@
+"""What happened to an occurrence, said once: in the log and through ``occurrence_handled``.
+
+Every path of the send pipeline reports through :class:`Reporter`, so an
+operator's log and a signal receiver (metrics, events) always agree.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from .. import signals
+from ..base import StrEnum
+from ..config import Entry
+from ..schedules.occurrence import Occurrence
+
+logger = logging.getLogger("celery_cluster_beat")
+
+
+class Outcome(StrEnum):
+    """The outcomes ``occurrence_handled`` reports (members equal their string values)."""
+
+    SENT = "sent"
+    RESENT = "resent"  # sent again with the same task id after its claimant stopped
+    SKIPPED_OVERLAP = "skipped-overlap"
+    BUFFERED = "buffered"
+    REPLACED = "replaced"
+    MISSED = "missed"
+    CLAIM_LOST = "claim-lost"
+    FAILED = "failed"
+
+
+class Reporter:
+    """Logs an outcome the way operators read beat's log, then sends the signal."""
+
+    def __init__(self, sender: Any) -> None:
+        self.sender = sender
+
+    def __call__(self, outcome: Outcome, occ: Occurrence, reason: Optional[str] = None,
+                 entry: Optional[Entry] = None, *, log: bool = True) -> None:
+        if log:
+            if entry is not None and outcome in (Outcome.SENT, Outcome.RESENT):
+                # Celery's own beat line, so existing log searches keep working.
+                logger.info("Scheduler: Sending due task %s (%s) for %s%s", entry.name, entry.task,
+                            occ.at.isoformat(), " (resent)" if outcome is Outcome.RESENT else "")
+            elif outcome is Outcome.CLAIM_LOST:
+                logger.debug("cluster-beat: %s at %s was claimed by another node", occ.schedule, occ.at.isoformat())
+            else:
+                logger.info("cluster-beat: %s at %s: %s%s", occ.schedule, occ.at.isoformat(), outcome,
+                            f" ({reason})" if reason else "")
+        signals.occurrence_handled.send(sender=self.sender, outcome=outcome, schedule=occ.schedule,
+                                        scheduled_at=occ.at, task_id=occ.task_id, reason=reason)

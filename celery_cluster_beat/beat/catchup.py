@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import List, Optional
 
+from ..config.values import CatchupPolicy
+from ..schedules.instants import TINY
+
 #: A due occurrence handled within this delay is "on time", not catch-up.
 ON_TIME = timedelta(seconds=2)
-_TINY = timedelta(microseconds=1)
 
 
 @dataclass
@@ -50,7 +52,7 @@ def plan_catchup(
     since: datetime,
     now: datetime,
     *,
-    policy: str,
+    policy: CatchupPolicy,
     window: Optional[float],
     max_count: int,
     record_limit: int = 1000,
@@ -61,15 +63,15 @@ def plan_catchup(
     if first > now:
         return plan
     oldest_allowed = since if window is None else max(since, now - timedelta(seconds=window))
-    if policy == "all":
+    if policy == CatchupPolicy.ALL:
         send = recent_fires(schedule, oldest_allowed, now, max_count)
     else:
         send = recent_fires(schedule, oldest_allowed, now, 1)
-        if policy == "none" and send and now - send[-1] > ON_TIME:
+        if policy == CatchupPolicy.NONE and send and now - send[-1] > ON_TIME:
             send = []
     plan.send = send
-    stop = send[0] if send else now + _TINY
-    missed = schedule.fires_between(since, stop - _TINY, limit=record_limit + 1)
+    stop = send[0] if send else now + TINY
+    missed = schedule.fires_between(since, stop - TINY, limit=record_limit + 1)
     if len(missed) > record_limit:
         missed = missed[:record_limit]
         plan.missed_truncated = True

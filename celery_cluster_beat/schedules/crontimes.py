@@ -18,7 +18,7 @@ import calendar
 from datetime import date, datetime, timedelta, tzinfo
 from typing import Iterator, List
 
-from .cronexpr import CronSpec
+from .cronexpr import CronSpec, DayRule
 from .errors import ScheduleError
 from .tzwall import EXISTS, REPEATED, has_transition, resolve
 
@@ -36,7 +36,7 @@ class CronTimes:
         self.spec = spec
         self.tz = tz
         every_weekday = len(spec.weekdays) == 7
-        dom_decides = every_weekday and (spec.dow_star or spec.dom_star or spec.day_rule == "and")
+        dom_decides = every_weekday and (spec.dow_star or spec.dom_star or spec.day_rule == DayRule.AND)
         self._dom_only_days = tuple(sorted(spec.days)) if dom_decides else None
 
     # -- calendar (naive wall times, no zone) --------------------------------

@@ -24,9 +24,8 @@ from celery_cluster_beat.store import (
     ClaimStore,
     SchemaVersionError,
     StaleTermError,
-    leader_table,
-    meta_table,
 )
+from celery_cluster_beat.store.schema import leader_table, meta_table
 
 UTC = timezone.utc
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

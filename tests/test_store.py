@@ -490,7 +490,7 @@ def test_an_old_sqlite_without_returning_and_with_999_parameters_gives_the_same_
     url = f"sqlite:///{tmp_path}/c.sqlite3"
     with ClaimStore(url, node_id="node-a") as store, ClaimStore(url, node_id="node-b") as other:
         for s in (store, other):
-            s._returning, s._batch = False, 7
+            s._dialect.returning, s._dialect.batch = False, 7
         burst = [occ(f"s{i % 5}", i // 5) for i in range(40)]
         assert other.claim(burst[10:20]) == burst[10:20]
         assert store.claim(burst) == burst[:10] + burst[20:]

@@ -24,6 +24,7 @@ from celery_cluster_beat.store import (
     ClaimStore,
     SchemaVersionError,
     StaleTermError,
+    StoreUnavailable,
 )
 from celery_cluster_beat.store.schema import leader_table, meta_table
 
@@ -83,7 +84,7 @@ def test_constructing_does_not_connect_and_the_logged_url_hides_the_password():
     store.close()  # before open: nothing to release, no error
     with pytest.raises(RuntimeError, match="not open"):
         store.current_term()
-    with pytest.raises(sa.exc.OperationalError):  # open() is where connecting happens
+    with pytest.raises(StoreUnavailable):  # open() is where connecting happens
         store.open()
     store.close()
 

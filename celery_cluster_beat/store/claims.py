@@ -26,13 +26,14 @@ Design rules followed throughout:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -76,6 +77,7 @@ logger = logging.getLogger(__name__)
 _DEADLOCK_ATTEMPTS = 4
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _unique(occurrences: Iterable[Occurrence]) -> list[Occurrence]:
@@ -88,6 +90,24 @@ def _unique(occurrences: Iterable[Occurrence]) -> list[Occurrence]:
             seen.add(k)
             out.append(occ)
     return out
+
+
+def _database_errors(method: F) -> F:
+    """Turn any SQLAlchemy error escaping *method* into :class:`StoreUnavailable`.
+
+    Callers back off on that one type without importing SQLAlchemy. Our own
+    errors (StaleTermError, SchemaVersionError, ConfigError, ValueError) are
+    not SQLAlchemy's and pass unchanged.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: ClaimStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreUnavailable.wrap(exc, self.url_masked) from exc
+
+    return cast(F, wrapper)
 
 
 class ClaimStore:
@@ -132,6 +152,7 @@ class ClaimStore:
 
     # ------------------------------------------------------------------ life cycle
 
+    @_database_errors
     def open(self) -> None:
         """Connect, create missing tables and refuse a newer schema; a no-op when open.
 
@@ -152,6 +173,7 @@ class ClaimStore:
             self._engine = engine
             logger.debug("claim store open: %s (node %s)", self.url_masked, self.node_id)
 
+    @_database_errors
     def close(self) -> None:
         """Release pooled connections; safe before open() and when called twice."""
         with self._open_lock:
@@ -319,6 +341,7 @@ class ClaimStore:
 
     # ------------------------------------------------------------------ claiming
 
+    @_database_errors
     def claim(self, occurrences: Sequence[Occurrence], *, term: int | None = None) -> list[Occurrence]:
         """Claim occurrences for sending; only the returned ones may be sent by this node.
 
@@ -332,6 +355,7 @@ class ClaimStore:
         """
         return self._insert(occurrences, status=ClaimStatus.CLAIMED, reason=None, term=term)
 
+    @_database_errors
     def record(
         self,
         occurrences: Sequence[Occurrence],
@@ -387,6 +411,7 @@ class ClaimStore:
         won = self._run(work)
         return [occ for occ in unique if claim_key(occ) in won]
 
+    @_database_errors
     def mark_sent(self, occurrences: Sequence[Occurrence]) -> int:
         """Record that these claimed occurrences were published.
 
@@ -429,6 +454,7 @@ class ClaimStore:
 
         return self._run(work)
 
+    @_database_errors
     def mark_failed(self, occurrence: Occurrence, error: str, *, final: bool = False) -> bool:
         """Record a failed publish attempt.
 
@@ -465,6 +491,7 @@ class ClaimStore:
 
         return self._run(work)
 
+    @_database_errors
     def take_over_stale(
         self, older_than: datetime, *, term: int | None = None, limit: int = 500
     ) -> list[Occurrence]:
@@ -516,6 +543,7 @@ class ClaimStore:
 
     # ------------------------------------------------------------------ reading
 
+    @_database_errors
     def current_term(self) -> int:
         """The highest leader term any node has claimed with (0 before any)."""
         value = self._run(
@@ -524,6 +552,7 @@ class ClaimStore:
         )
         return int(value or 0)
 
+    @_database_errors
     def last_occurrences(self) -> dict[str, datetime]:
         """Latest claimed instant per schedule, where catch-up resumes after a restart."""
         t = schedules_table
@@ -535,6 +564,7 @@ class ClaimStore:
         )
         return {name: at for name, at in rows}
 
+    @_database_errors
     def schedule_states(self, names: Iterable[str] | None = None) -> list[ScheduleState]:
         """Per-schedule state and counters, by name, for the status command (only *names*, if given)."""
         t = schedules_table
@@ -552,6 +582,7 @@ class ClaimStore:
             rows = self._run(read, write=False) if wanted else []
         return [ScheduleState(**row._asdict()) for row in rows]
 
+    @_database_errors
     def claims(
         self,
         schedule: str | None = None,
@@ -574,6 +605,7 @@ class ClaimStore:
 
     # ------------------------------------------------------------------ housekeeping
 
+    @_database_errors
     def prune(self, older_than: datetime, *, batch: int = 1000, max_batches: int | None = None) -> int:
         """Delete finished claim rows scheduled before *older_than*; returns how many.
 

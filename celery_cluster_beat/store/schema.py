@@ -10,7 +10,6 @@ from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql as mysql_dialect
 
 from ..base import MAX_NAME_LENGTH, MAX_NODE_ID_LENGTH, StrEnum
 from ..schedules.instants import UTC, require_aware
@@ -44,6 +43,15 @@ def naive_utc(value: datetime, what: str = "a datetime stored in the claim datab
     return require_aware(value, what).replace(tzinfo=None)
 
 
+def _server(dialect: sa.engine.Dialect) -> Any:
+    """The store dialect that knows *dialect*'s column types (see :mod:`.dialects`)."""
+    # Imported when a type is first resolved, not at import time: the
+    # dialects build their statements on the tables below.
+    from .dialects import column_types_for
+
+    return column_types_for(dialect.name)
+
+
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
     """Naive UTC in the database, aware UTC in Python.
 
@@ -57,10 +65,7 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
-            # Plain DATETIME drops microseconds; occurrences may carry them.
-            return dialect.type_descriptor(mysql_dialect.DATETIME(fsp=6))
-        return dialect.type_descriptor(sa.DateTime())
+        return dialect.type_descriptor(_server(dialect).datetime_type(dialect))
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is None:
@@ -73,35 +78,15 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC)
 
 
-def mysql_name_collation(dialect: Any) -> str:
-    """The collation of name columns on a MySQL-family server.
-
-    The default collations are case-insensitive: "Report" and "report" would
-    collide on the primary key and one schedule would silently lose every
-    claim. Binary collations compare byte for byte; we prefer a NO PAD one,
-    in which "a" and "a " differ too.
-    """
-    if getattr(dialect, "is_mariadb", False):
-        return "utf8mb4_nopad_bin"
-    version = getattr(dialect, "server_version_info", None) or ()
-    if tuple(version[:3]) >= (8, 0, 17):
-        return "utf8mb4_0900_bin"
-    return "utf8mb4_bin"  # PAD SPACE: ClaimStore rejects names ending in a space
-
-
 class NameType(sa.types.TypeDecorator[str]):
-    """VARCHAR compared byte for byte in every dialect (see mysql_name_collation)."""
+    """VARCHAR compared byte for byte in every dialect (see dialects.mysql.name_collation)."""
 
     impl = sa.String
     cache_ok = True
 
     def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
         length = cast(sa.String, self.impl_instance).length
-        if dialect.name in ("mysql", "mariadb"):
-            return dialect.type_descriptor(
-                mysql_dialect.VARCHAR(length, charset="utf8mb4", collation=mysql_name_collation(dialect))
-            )
-        return dialect.type_descriptor(sa.String(length))
+        return dialect.type_descriptor(_server(dialect).name_type(dialect, length))
 
 
 _MYSQL_TABLE: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}

@@ -16,7 +16,7 @@ from .mysql import MySQLDialect
 from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
-__all__ = ["CHUNK", "Dialect", "SUPPORTED_BACKENDS", "dialect_for"]
+__all__ = ["CHUNK", "Dialect", "SUPPORTED_BACKENDS", "column_types_for", "dialect_for"]
 
 _DIALECTS: dict[str, type[Dialect]] = {
     "sqlite": SQLiteDialect,
@@ -38,3 +38,12 @@ def dialect_for(backend_name: str) -> Dialect:
             f"no claim store dialect for {backend_name!r}; supported: {', '.join(SUPPORTED_BACKENDS)}"
         ) from None
     return cls()
+
+
+def column_types_for(dialect_name: str) -> Dialect:
+    """The dialect whose column types the tables take on SQLAlchemy dialect *dialect_name*.
+
+    Unlike :func:`dialect_for`, any name is fine: a statement may be compiled
+    for display with SQLAlchemy's default dialect, which gets the portable types.
+    """
+    return _DIALECTS.get(dialect_name, Dialect)()

@@ -310,6 +310,18 @@ class Dialect:
         )
         return max(result.rowcount, 0)
 
+    # ---------------------------------------------------------------- column types
+    # Called with SQLAlchemy's dialect when the schema's types are resolved
+    # (before :meth:`learn`, and for engines that are not the store's).
+
+    def datetime_type(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
+        """The column type behind :class:`..schema.UTCDateTime` (naive UTC, microseconds kept)."""
+        return sa.DateTime()
+
+    def name_type(self, dialect: sa.engine.Dialect, length: int | None) -> sa.types.TypeEngine[Any]:
+        """The column type behind :class:`..schema.NameType` (compared byte for byte)."""
+        return sa.String(length)
+
     # ---------------------------------------------------------------- checks and locks
 
     def lock_stale(self, query: sa.Select[Any]) -> sa.Select[Any]:

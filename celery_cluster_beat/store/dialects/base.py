@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
@@ -60,8 +60,7 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass(frozen=True)
-class ClaimValues:
+class ClaimValues(NamedTuple):
     """The column values every row inserted by one claim() or record() call shares."""
 
     claimed_at: datetime
@@ -203,17 +202,18 @@ class Dialect:
         stmt: Any = self.insert(c).on_conflict_do_nothing(index_elements=list(CLAIM_KEY))
         if self.returning:
             stmt = stmt.returning(*KEY_COLUMNS)
+        claimed_at, node, term, status, reason = shared
         for chunk in chunks(ordered, self.batch):
             rows = [
                 {
                     "schedule": occ.schedule,
                     "scheduled_at": occ.at,
-                    "claimed_at": shared.claimed_at,
-                    "node": shared.node,
-                    "term": shared.term,
+                    "claimed_at": claimed_at,
+                    "node": node,
+                    "term": term,
                     "task_id": occ.task_id,
-                    "status": shared.status,
-                    "reason": shared.reason,
+                    "status": status,
+                    "reason": reason,
                     "attempts": 0,
                     "op_token": token,
                 }

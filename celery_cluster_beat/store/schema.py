@@ -6,18 +6,19 @@ MySQL/MariaDB) and aware UTC in Python; names compare byte for byte everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql as mysql_dialect
 
-from ..base import StrEnum
+from ..base import MAX_NAME_LENGTH, MAX_NODE_ID_LENGTH, StrEnum
+from ..schedules.instants import UTC, require_aware
 from ..schedules.occurrence import Occurrence
 
 #: Version of the tables below. Bump it (and teach :meth:`ClaimStore.open` to
 #: migrate) whenever a released schema changes.
 SCHEMA_VERSION = 1
+
 
 class ClaimStatus(StrEnum):
     """Where an occurrence's row stands. Every occurrence ends as one of the last four."""
@@ -32,12 +33,27 @@ class ClaimStatus(StrEnum):
 STATUSES = tuple(s.value for s in ClaimStatus)
 
 
-def _naive_utc(value: datetime) -> datetime:
-    if value.tzinfo is None:
-        # A naive value is ambiguous (local? UTC?); guessing wrong would move
-        # claims by hours, so refuse rather than guess.
-        raise ValueError(f"naive datetime {value!r}: pass an aware (UTC) datetime")
-    return value.astimezone(timezone.utc).replace(tzinfo=None)
+#: Width of the task id column: a Celery task id is a UUID in its 36-character form.
+TASK_ID_LENGTH = 36
+
+
+def naive_utc(value: datetime, what: str = "a datetime stored in the claim database") -> datetime:
+    # A naive value is ambiguous (local? UTC?); guessing wrong would move
+    # claims by hours, so require_aware refuses rather than guesses. Values
+    # already in UTC (occurrences, utcnow()) skip it: every bound datetime
+    # passes here, thousands per claimed burst.
+    if value.tzinfo is not UTC:
+        value = require_aware(value, what)
+    return value.replace(tzinfo=None)
+
+
+def _server(dialect: sa.engine.Dialect) -> Any:
+    """The store dialect that knows *dialect*'s column types (see :mod:`.dialects`)."""
+    # Imported when a type is first resolved, not at import time: the
+    # dialects build their statements on the tables below.
+    from .dialects import column_types_for
+
+    return column_types_for(dialect.name)
 
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
@@ -53,55 +69,28 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):
-            # Plain DATETIME drops microseconds; occurrences may carry them.
-            return dialect.type_descriptor(mysql_dialect.DATETIME(fsp=6))
-        return dialect.type_descriptor(sa.DateTime())
+        return dialect.type_descriptor(_server(dialect).datetime_type(dialect))
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is None:
             return None
-        return _naive_utc(value)
+        return naive_utc(value)
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
         if value is None:
             return None
-        return value.replace(tzinfo=timezone.utc)
-
-
-def _mysql_name_collation(dialect: Any) -> str:
-    """The collation of name columns on a MySQL-family server.
-
-    The default collations are case-insensitive: "Report" and "report" would
-    collide on the primary key and one schedule would silently lose every
-    claim. Binary collations compare byte for byte; we prefer a NO PAD one,
-    in which "a" and "a " differ too.
-    """
-    if getattr(dialect, "is_mariadb", False):
-        return "utf8mb4_nopad_bin"
-    version = getattr(dialect, "server_version_info", None) or ()
-    if tuple(version[:3]) >= (8, 0, 17):
-        return "utf8mb4_0900_bin"
-    return "utf8mb4_bin"  # PAD SPACE: ClaimStore rejects names ending in a space
+        return value.replace(tzinfo=UTC)
 
 
 class NameType(sa.types.TypeDecorator[str]):
-    """VARCHAR compared byte for byte in every dialect (see _mysql_name_collation)."""
+    """VARCHAR compared byte for byte in every dialect (see dialects.mysql.name_collation)."""
 
     impl = sa.String
     cache_ok = True
 
     def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
         length = cast(sa.String, self.impl_instance).length
-        if dialect.name in ("mysql", "mariadb"):
-            return dialect.type_descriptor(
-                mysql_dialect.VARCHAR(length, charset="utf8mb4", collation=_mysql_name_collation(dialect))
-            )
-        return dialect.type_descriptor(sa.String(length))
-
-
-def _name_type(length: int = 255) -> NameType:
-    return NameType(length)
+        return dialect.type_descriptor(_server(dialect).name_type(dialect, length))
 
 
 _MYSQL_TABLE: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
@@ -111,12 +100,12 @@ metadata = sa.MetaData()
 claims_table = sa.Table(
     "cluster_beat_claims",
     metadata,
-    sa.Column("schedule", _name_type(), primary_key=True),
+    sa.Column("schedule", NameType(MAX_NAME_LENGTH), primary_key=True),
     sa.Column("scheduled_at", UTCDateTime(), primary_key=True),
     sa.Column("claimed_at", UTCDateTime(), nullable=False),
-    sa.Column("node", _name_type(), nullable=False),
+    sa.Column("node", NameType(MAX_NODE_ID_LENGTH), nullable=False),
     sa.Column("term", sa.BigInteger(), nullable=True),
-    sa.Column("task_id", sa.String(36), nullable=False),
+    sa.Column("task_id", sa.String(TASK_ID_LENGTH), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("reason", sa.Text(), nullable=True),
     sa.Column("attempts", sa.Integer(), nullable=False, server_default="0"),
@@ -137,14 +126,18 @@ claims_table = sa.Table(
     **_MYSQL_TABLE,
 )
 
+#: The claim table's primary key, (schedule name, nominal instant): what a claim
+#: is of. Statements keyed by claims take these columns first, in this order.
+CLAIM_KEY: tuple[str, ...] = tuple(col.name for col in claims_table.primary_key)
+
 _COUNTERS = ("sent", "skipped", "missed", "failed", "claim_lost", "resent")
 
 schedules_table = sa.Table(
     "cluster_beat_schedules",
     metadata,
-    sa.Column("name", _name_type(), primary_key=True),
+    sa.Column("name", NameType(MAX_NAME_LENGTH), primary_key=True),
     sa.Column("last_occurrence", UTCDateTime(), nullable=True),
-    sa.Column("last_task_id", sa.String(36), nullable=True),
+    sa.Column("last_task_id", sa.String(TASK_ID_LENGTH), nullable=True),
     sa.Column("last_sent_at", UTCDateTime(), nullable=True),
     sa.Column("last_error", sa.Text(), nullable=True),
     sa.Column("last_error_at", UTCDateTime(), nullable=True),
@@ -158,7 +151,7 @@ leader_table = sa.Table(
     metadata,
     sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
     sa.Column("term", sa.BigInteger(), nullable=False),
-    sa.Column("node", _name_type(), nullable=True),
+    sa.Column("node", NameType(MAX_NODE_ID_LENGTH), nullable=True),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
     **_MYSQL_TABLE,
 )

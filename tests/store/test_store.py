@@ -24,9 +24,9 @@ from celery_cluster_beat.store import (
     ClaimStore,
     SchemaVersionError,
     StaleTermError,
-    leader_table,
-    meta_table,
+    StoreUnavailable,
 )
+from celery_cluster_beat.store.schema import leader_table, meta_table
 
 UTC = timezone.utc
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -84,7 +84,7 @@ def test_constructing_does_not_connect_and_the_logged_url_hides_the_password():
     store.close()  # before open: nothing to release, no error
     with pytest.raises(RuntimeError, match="not open"):
         store.current_term()
-    with pytest.raises(sa.exc.OperationalError):  # open() is where connecting happens
+    with pytest.raises(StoreUnavailable):  # open() is where connecting happens
         store.open()
     store.close()
 
@@ -491,7 +491,7 @@ def test_an_old_sqlite_without_returning_and_with_999_parameters_gives_the_same_
     url = f"sqlite:///{tmp_path}/c.sqlite3"
     with ClaimStore(url, node_id="node-a") as store, ClaimStore(url, node_id="node-b") as other:
         for s in (store, other):
-            s._returning, s._batch = False, 7
+            s._dialect.returning, s._dialect.batch = False, 7
         burst = [occ(f"s{i % 5}", i // 5) for i in range(40)]
         assert other.claim(burst[10:20]) == burst[10:20]
         assert store.claim(burst) == burst[:10] + burst[20:]

@@ -83,7 +83,15 @@ class GuardDecision:
 class _LastRun:
     task_id: str
     sent_at: datetime
+    #: The nominal instant of that run's occurrence: the last run only ever moves forward.
+    at: Optional[datetime] = None
     watchdog_fired: bool = False
+
+    def older_than(self, at: Optional[datetime], sent_at: datetime) -> bool:
+        """Whether a run of occurrence *at* (sent at *sent_at*) is newer than this one."""
+        if at is not None and self.at is not None:
+            return self.at < at
+        return self.sent_at < sent_at
 
 
 class ResultBackendStates:
@@ -180,12 +188,18 @@ class OverlapGuard:
         """Adopt the last sent run of each schedule from the store (a new leader inherits them)."""
         for st in states:
             if st.last_task_id and st.last_sent_at is not None:
+                at = getattr(st, "last_sent_occurrence", None)
                 current = self._last.get(st.name)
-                if current is None or current.sent_at < st.last_sent_at:
-                    self._last[st.name] = _LastRun(st.last_task_id, st.last_sent_at)
+                if current is None or current.older_than(at, st.last_sent_at):
+                    self._last[st.name] = _LastRun(st.last_task_id, st.last_sent_at, at)
 
     def sent(self, entry: Entry, occ: Occurrence) -> None:
-        self._last[entry.name] = _LastRun(occ.task_id, datetime.now(timezone.utc))
+        """A run of *occ* went out. A resend of an older occurrence does not become the last run:
+        the guard keeps watching the newest one."""
+        now = datetime.now(timezone.utc)
+        current = self._last.get(entry.name)
+        if current is None or current.task_id == occ.task_id or current.older_than(occ.at, now):
+            self._last[entry.name] = _LastRun(occ.task_id, now, occ.at)
 
     def _assess(self, entry: Entry, last: Optional[_LastRun], state: Optional[str], now: datetime) -> Verdict:
         if last is None or state is None or state in FINISHED:

@@ -6,6 +6,14 @@ the bookkeeping a send implies (the row marked sent, the entry's
 ``last_run_at`` / ``total_run_count``, the overlap guard's last run, the
 outcome report) is the same for all three.
 
+Publishing goes in chunks of at most :data:`PUBLISH_CHUNK`. Before each chunk
+the rows are confirmed as still ours in one conditional statement (and
+confirmed again after any pause longer than ``claim_grace / 4``), so a row
+taken over by another node, or a node fenced out, is never published here;
+after each chunk its rows are marked sent. A crash or a pause can therefore
+leave at most one chunk published but not marked: those are resent with the
+same task id, which the worker-side ledger turns into a skipped duplicate.
+
 The pipeline raises :class:`~celery_cluster_beat.store.StoreUnavailable` and
 :class:`~celery_cluster_beat.store.StaleTermError` to the scheduler, which owns
 the back-off and the stepping down; it only keeps messages already out that
@@ -17,9 +25,11 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+import uuid
 from datetime import datetime, timedelta
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from .. import faults
 from ..config import Entry, Settings
 from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StoreUnavailable
@@ -30,13 +40,18 @@ from .publisher import Dispatch, Publisher
 
 logger = logging.getLogger("celery_cluster_beat")
 
-#: Publish in slices this big, renewing the lease and marking rows sent between them.
-SEND_SLICE = 2500
+#: At most this many messages are published between two store round trips: the most a
+#: crash between a broker flush and its 'sent' mark can leave to be resent (same task id).
+PUBLISH_CHUNK = 250
 #: Publish attempts for one occurrence (retried 1, 2, 4, 8 s apart, capped at claim_grace/2)
 #: before it is marked failed.
 MAX_SEND_ATTEMPTS = 5
-#: Below this many messages in a slice each one is logged at INFO, like Celery's beat.
+#: Below this many messages in a send each one is logged at INFO, like Celery's beat.
 LOG_EACH_UNDER = 20
+#: Rows a sweep takes over per statement; a sweep goes on until done or out of time.
+SWEEP_CHUNK = 500
+#: Seconds one sweep pass may take before it yields to the loop (it resumes on the next pass).
+SWEEP_BUDGET = 2.0
 
 
 class Pending(NamedTuple):
@@ -68,21 +83,52 @@ class SendPipeline:
         self._still_leader = still_leader
         self._term = term
         self._store_trouble = on_store_trouble
+        #: A confirmation older than this (seconds of this process's time) is taken again before publishing.
+        self.recheck_after = settings.claim_grace / 4
         #: (monotonic due time, tie-breaker, pending) of failed publishes waiting for their next attempt.
         self._retries: List[Tuple[float, int, Pending]] = []
         self._retry_seq = 0
         #: Occurrences published whose 'sent' mark the store has not taken yet.
         self.unmarked: List[Occurrence] = []
-        self.next_sweep = 0.0
+        #: The token of a claim whose outcome we never learnt (its reply was lost): reused by the next claim.
+        self._claim_token: Optional[str] = None
+        #: Our claimed rows must be handed over (release) once the store answers again.
+        self._release_owed = False
 
     # -- the scheduler's view ------------------------------------------------------
     def next_retry_in(self) -> Optional[float]:
         """Seconds until the next retry is due (None when none waits)."""
         return self._retries[0][0] - time.monotonic() if self._retries else None
 
-    def reset(self) -> None:
-        """Forget pending retries: this node stopped scheduling, the next leader's sweep takes them."""
+    def abandon(self) -> None:
+        """This node stops scheduling: forget retries and hand every claim it holds to the next sender.
+
+        Messages already out are recorded first, so only rows that were never
+        published are released; a store that does not answer gets them later.
+        """
         self._retries = []
+        self._claim_token = None
+        self._release_owed = True
+        self.settle()
+
+    @property
+    def owes_release(self) -> bool:
+        return self._release_owed
+
+    def settle(self) -> None:
+        """Record unmarked sends and release what is owed, if the store answers (never raises)."""
+        try:
+            if self.unmarked:
+                self.store.mark_sent(self.unmarked)
+                self.unmarked = []
+            if self._release_owed:
+                released = self.store.release()
+                self._release_owed = False
+                if released:
+                    logger.info("cluster-beat: handed %d unsent claim(s) over to the next sender", released)
+        except StoreUnavailable as exc:
+            logger.warning("cluster-beat: cannot settle with the claim store yet (%s): %d sent occurrence(s) "
+                           "unrecorded", exc, len(self.unmarked))
 
     # -- first sends ---------------------------------------------------------------
     def claim_and_send(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime, *,
@@ -102,7 +148,14 @@ class SendPipeline:
                 self.report(Outcome.BUFFERED, occ, "previous run still in flight")
         if not claim:
             return
-        won = self.store.claim([occ for _, occ in claim], term=self._term())
+        # A claim whose commit may have succeeded with its reply lost is retried with its token:
+        # the rows it wrote then count as won instead of as "claimed by another node".
+        resume = self._claim_token is not None
+        token = self._claim_token = self._claim_token or uuid.uuid4().hex
+        faults.hit("before-claim")
+        won = self.store.claim([occ for _, occ in claim], term=self._term(), token=token, resume=resume)
+        self._claim_token = None
+        confirmed_at = time.monotonic()
         won_set = set(won)
         entry_of = {occ: entry for entry, occ in claim}
         for _, occ in claim:
@@ -112,22 +165,37 @@ class SendPipeline:
             if occ in replaces:
                 self.guard.revoke(replaces[occ])
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
-        self.send([Pending(entry_of[occ], occ) for occ in won])
+        self.send([Pending(entry_of[occ], occ) for occ in won], confirmed_at=confirmed_at)
 
     # -- the one publishing path ----------------------------------------------------
-    def send(self, items: Sequence[Pending]) -> None:
-        """Publish claimed occurrences slice by slice, renewing the lease between slices."""
-        for start in range(0, len(items), SEND_SLICE):
-            part = items[start:start + SEND_SLICE]
-            if start and not self._still_leader():
+    def send(self, items: Sequence[Pending], *, confirmed_at: Optional[float] = None) -> None:
+        """Publish claimed occurrences chunk by chunk, each confirmed as ours just before.
+
+        *confirmed_at* (monotonic) says the rows were claimed or confirmed then, so the first
+        chunk skips its confirmation while that is recent.
+        """
+        log_each = len(items) < LOG_EACH_UNDER
+        sent = failed = 0
+        for start in range(0, len(items), PUBLISH_CHUNK):
+            if not self._still_leader():
                 logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
                 return
+            part = self._confirmed(list(items[start:start + PUBLISH_CHUNK]), confirmed_at if not start else None)
+            if part is None:
+                logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
+                return
+            if not part:
+                continue
             errors = self.publisher.publish([self._dispatch(p.entry, p.occ) for p in part])
-            self._mark_sent([p.occ for p, err in zip(part, errors) if err is None])
-            log_each = len(part) < LOG_EACH_UNDER
-            sent = 0
+            # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
+            # stop before the mark below (close() settles what is owed).
+            self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
+            faults.hit("after-flush")
+            self._mark_sent([])
+            faults.hit("after-mark")
             for p, err in zip(part, errors):
                 if err is not None:
+                    failed += 1
                     self._send_failed(p, err)
                     continue
                 sent += 1
@@ -137,9 +205,30 @@ class SendPipeline:
                 reason = f"after {p.attempt - 1} failed attempt(s)" if p.attempt > 1 else None
                 self.report(Outcome.RESENT if p.resent else Outcome.SENT, p.occ, reason, p.entry,
                             log=log_each or p.attempt > 1)
-            if not log_each:
-                logger.info("cluster-beat: %s %d occurrence(s) (%d failed)",
-                            "resent" if part[0].resent else "sent", sent, len(part) - sent)
+        if not log_each:
+            logger.info("cluster-beat: %s %d occurrence(s) (%d failed)",
+                        "resent" if items[0].resent else "sent", sent, failed)
+
+    def _confirmed(self, part: List[Pending], confirmed_at: Optional[float]) -> Optional[List[Pending]]:
+        """The rows of *part* still ours, confirmed within ``recheck_after``; None when this node
+        may no longer send at all."""
+        while True:
+            if confirmed_at is None:
+                mine = set(self.store.confirm([p.occ for p in part], term=self._term()))
+                confirmed_at = time.monotonic()
+                for p in part:
+                    if p.occ not in mine:
+                        self.report(Outcome.CLAIM_LOST, p.occ, "taken over by another node")
+                part = [p for p in part if p.occ in mine]
+            faults.hit("before-publish")
+            if time.monotonic() - confirmed_at <= self.recheck_after:
+                return part
+            # This process was paused since (GC, SIGSTOP, an overloaded host): look again.
+            logger.warning("cluster-beat: paused %.1f s between confirming and publishing %d occurrence(s); "
+                           "confirming again", time.monotonic() - confirmed_at, len(part))
+            if not self._still_leader():
+                return None
+            confirmed_at = None
 
     def _dispatch(self, entry: Entry, occ: Occurrence) -> Dispatch:
         options = entry.options
@@ -157,6 +246,8 @@ class SendPipeline:
         sweep resend them, so they are kept until the store takes them.
         """
         pending = self.unmarked + sent
+        if not pending:
+            return
         try:
             self.store.mark_sent(pending)
         except StoreUnavailable as exc:
@@ -169,7 +260,10 @@ class SendPipeline:
 
     def _send_failed(self, p: Pending, err: BaseException) -> None:
         final = p.attempt >= MAX_SEND_ATTEMPTS
-        self.store.mark_failed(p.occ, f"{err.__class__.__name__}: {err}", final=final)
+        if not self.store.mark_failed(p.occ, f"{err.__class__.__name__}: {err}", final=final):
+            # The row is no longer ours (taken over meanwhile): its new owner sends it.
+            self.report(Outcome.CLAIM_LOST, p.occ, "taken over by another node after a failed publish")
+            return
         if final:
             logger.error("cluster-beat: giving up on %s at %s after %d attempts: %r",
                          p.occ.schedule, p.occ.at, p.attempt, err)
@@ -191,31 +285,32 @@ class SendPipeline:
             return
         self.send([p for p in batch if p.entry.name in self.entries])
 
-    def sweep_stale(self, now: datetime) -> None:
-        """Resend rows another node claimed and never marked sent (it stopped in between)."""
-        grace = self.settings.claim_grace
-        self.next_sweep = time.monotonic() + grace / 2
+    def sweep_stale(self) -> None:
+        """Resend rows whose claimant is gone (judged by the database's clock), in bounded chunks
+        until none is left or the pass's time budget is spent."""
         if not self._still_leader():
             return
         if self.unmarked:  # our own sends must be recorded before we look for unsent claims
             self._mark_sent([])
             if self.unmarked:
                 return
-        try:
-            rows = self.store.take_over_stale(now - timedelta(seconds=grace), term=self._term())
-        except StoreUnavailable as exc:
-            logger.error("cluster-beat: stale-claim sweep failed: %s", exc)
-            return
-        retrying = {p.occ for _, _, p in self._retries}
-        items = []
-        for occ in rows:
-            if occ in retrying:  # our own failed publish, already queued for a retry
-                continue
-            entry = self.entries.get(occ.schedule)
-            if entry is None:
-                self.store.mark_failed(occ, "entry no longer in beat_schedule", final=True)
-                continue
-            items.append(Pending(entry, occ, resent=True))
-        if items:
-            logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped", len(items))
-            self.send(items)
+        deadline = time.monotonic() + SWEEP_BUDGET
+        while time.monotonic() < deadline and self._still_leader():
+            rows = self.store.take_over_stale(self.settings.claim_grace, term=self._term(), limit=SWEEP_CHUNK)
+            confirmed_at = time.monotonic()
+            retrying = {p.occ for _, _, p in self._retries}
+            items = []
+            for occ in rows:
+                if occ in retrying:  # our own failed publish, already queued for a retry
+                    continue
+                entry = self.entries.get(occ.schedule)
+                if entry is None:
+                    self.store.mark_failed(occ, "entry no longer in beat_schedule", final=True)
+                    continue
+                items.append(Pending(entry, occ, resent=True))
+            if items:
+                logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped",
+                               len(items))
+                self.send(items, confirmed_at=confirmed_at)
+            if len(rows) < SWEEP_CHUNK:
+                return

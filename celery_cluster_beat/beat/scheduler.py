@@ -22,13 +22,14 @@ from typing import Dict, List, Optional, Tuple
 from celery import beat
 
 from .. import signals
-from ..config import Entry, Settings, build_entries, default_entries, lease_name, load_settings
+from ..config import Entry, Settings, build_entries, default_entries, load_settings
 from ..config.celeryconf import has_result_backend
 from ..errors import ConfigError
 from ..leader.urls import mask_url
-from ..schedules.instants import TINY, utcnow
+from ..schedules.instants import TINY
 from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StaleTermError, StoreUnavailable
+from .clock import NodeClock
 from .catchup import ON_TIME, plan_catchup
 from .guard import OverlapGuard
 from .outcomes import Outcome, Reporter
@@ -39,6 +40,8 @@ logger = logging.getLogger("celery_cluster_beat")
 
 #: Standbys try to take the lease at least this often (seconds).
 STANDBY_POLL = 1.0
+#: Seconds one pruning pass may take; a backlog is pruned over several passes a second apart.
+PRUNE_BUDGET = 2.0
 
 
 class Scheduler(beat.Scheduler):
@@ -54,7 +57,7 @@ class Scheduler(beat.Scheduler):
         self.settings: Optional[Settings] = None
         self.entries: Dict[str, Entry] = {}
         try:
-            self.settings = load_settings(app.conf, has_result_backend=lambda: has_result_backend(app))
+            self.settings = load_settings(app.conf, has_result_backend=lambda: has_result_backend(app), app_name=app.main)
         except ConfigError as exc:
             problems += exc.problems
         # Beat's banner instance (lazy) needs no entries; build them there only to report every problem.
@@ -75,8 +78,11 @@ class Scheduler(beat.Scheduler):
         self._heap: List[Tuple[datetime, str]] = []
         self._next_at: Dict[str, datetime] = {}
         self._next_prune = 0.0
+        self._next_housekeeping = 0.0
         self._db_backoff_until = 0.0
         self._db_failures = 0
+        self._db_down_since: Optional[float] = None
+        self._clock = NodeClock(self.settings.node_id)
         super().__init__(app, schedule=None, max_interval=max_interval, Producer=Producer, lazy=True,
                          sync_every_tasks=sync_every_tasks, **kwargs)
         if not lazy:
@@ -84,13 +90,24 @@ class Scheduler(beat.Scheduler):
 
     # -- set-up ----------------------------------------------------------------
     def _lease_name(self) -> str:
-        return lease_name(self.app, self.settings.db_url)
+        return self.settings.cluster_name
+
+    def _lock_timeout(self) -> float:
+        """How long a statement may wait for a row lock: well inside the lease, so a leader paused
+        inside a claim transaction cannot hold up its successor past its own lease."""
+        return max(0.25, min(2.0, self.settings.lock_ttl / 4))
+
+    def _housekeeping_interval(self) -> float:
+        return self.settings.claim_grace / 3
 
     def setup_schedule(self) -> None:
         s = self.settings
         self.entries.update(build_entries(default_entries(self.app, self.entries), app=self.app))
-        self._store = ClaimStore(s.db_url, node_id=s.node_id)
+        self._store = ClaimStore(s.db_url, node_id=s.node_id, lock_timeout=self._lock_timeout())
         self._store.open()
+        self._clock.measure(self._store.db_now)
+        self._store.heartbeat(scheduling=False, clock_offset=self._clock.offset, register=True)
+        self._next_housekeeping = time.monotonic() + self._housekeeping_interval()
         self._guard = OverlapGuard(self.app, s)
         self._guard.warn_about_configuration(self.entries.values())
         self._pipeline = SendPipeline(
@@ -102,7 +119,8 @@ class Scheduler(beat.Scheduler):
             from ..leader.lease import RedisLease
 
             self._lease = RedisLease(s.redis.client, name=self._lease_name(), node_id=s.node_id,
-                                     ttl=s.lock_ttl, on_event=self._on_lease_event)
+                                     ttl=s.lock_ttl, on_event=self._on_lease_event, cluster_id=self._store.cluster_id)
+            self._lease.check_cluster()  # two claim stores behind one lease: refuse to start
         logger.info(
             "cluster-beat: node %s, %d entries, claims in %s, lease %s",
             s.node_id, len(self.entries), mask_url(s.db_url),
@@ -138,8 +156,11 @@ class Scheduler(beat.Scheduler):
 
     def _activate(self) -> None:
         """Become the node that schedules: rebuild the heap from what the store says was claimed."""
-        now = utcnow()
+        now = self._clock.now()
         try:
+            self._pipeline.settle()  # hand over what an earlier holding left, before claiming anew
+            if self._pipeline.owes_release:
+                raise StoreUnavailable("claims of an earlier holding are not handed over yet")
             if self._lease is not None:
                 recorded = self._store.current_term()
                 if (self._lease.term or 0) < recorded:
@@ -152,7 +173,10 @@ class Scheduler(beat.Scheduler):
         except StoreUnavailable as exc:
             logger.error("cluster-beat: cannot read the claim store (%s); retrying", exc)
             self._db_trouble()
+            if self._lease is not None and self._lease.term is not None:
+                self._lease.release()  # a node that cannot use the store must not keep others from it
             return
+        self._db_ok()
         self._heap = []
         self._next_at = {}
         for name, entry in self.entries.items():
@@ -165,22 +189,25 @@ class Scheduler(beat.Scheduler):
             self._heap.append((at, name))
         heapq.heapify(self._heap)
         self._active = True
-        self._pipeline.next_sweep = 0.0
         self._next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
         self._pipeline.publisher.warm_up()
-        self._pipeline.sweep_stale(now)
+        self._housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
 
     def _deactivate(self, why: str) -> None:
         if self._active:
             logger.warning("cluster-beat: node %s stops scheduling: %s", self.settings.node_id, why)
         self._active = False
         if self._pipeline is not None:
-            self._pipeline.reset()
+            self._pipeline.abandon()
         if self._guard is not None:
             self._guard.drop_buffered()
 
     def _standby(self) -> float:
         lease = self._lease
+        mono = time.monotonic()
+        if mono < self._db_backoff_until:
+            # This node cannot use the store: it must not take the lease from one that can.
+            return min(self._db_backoff_until - mono, self.max_interval)
         if lease.try_acquire():
             self._activate()
             return 0.001
@@ -215,9 +242,14 @@ class Scheduler(beat.Scheduler):
             return 1.0
 
     def _tick(self) -> float:
+        mono = time.monotonic()
+        if mono >= self._next_housekeeping and mono >= self._db_backoff_until:
+            self._housekeep()
         if self._lease is not None:
             if self._active:
                 self._still_leader()
+                if self._active and self._db_down_for() >= self.settings.lock_ttl:
+                    self._step_aside(f"the claim database has been unreachable for {self._db_down_for():.1f} s")
             if not self._active:
                 return self._standby()
         elif not self._active:
@@ -225,7 +257,7 @@ class Scheduler(beat.Scheduler):
                 self._activate()
             return self._sleep_time()
         store_ok = time.monotonic() >= self._db_backoff_until
-        if store_ok and self._heap and self._heap[0][0] <= utcnow():
+        if store_ok and self._heap and self._heap[0][0] <= self._clock.now():
             self._run_due()
         retry_in = self._pipeline.next_retry_in()
         if retry_in is not None and retry_in <= 0:
@@ -238,19 +270,20 @@ class Scheduler(beat.Scheduler):
 
     def _sleep_time(self) -> float:
         mono = time.monotonic()
-        wait = self.max_interval
+        wait = min(self.max_interval, self._next_housekeeping - mono)
         if self._heap:
-            wait = min(wait, (self._heap[0][0] - utcnow()).total_seconds())
+            wait = min(wait, (self._heap[0][0] - self._clock.now()).total_seconds())
         retry_in = self._pipeline.next_retry_in() if self._pipeline is not None else None
         if retry_in is not None:
             wait = min(wait, retry_in)
-        if self._db_backoff_until > mono:
-            wait = max(wait, self._db_backoff_until - mono)
-        if self._active and self._lease is not None:
-            wait = min(wait, self._lease.next_renew_in())
         check = self._guard.next_check_in() if self._guard is not None else None
         if check is not None:
             wait = min(wait, check)
+        if self._db_backoff_until > mono:
+            # Nothing that needs the store may undercut the back-off (buffered runs, due fires).
+            wait = max(wait, self._db_backoff_until - mono)
+        if self._active and self._lease is not None:
+            wait = min(wait, self._lease.next_renew_in())
         return max(wait, 0.001)  # never 0: beat would spin
 
     def _pop_due(self, now: datetime) -> List[Tuple[Entry, datetime, bool]]:
@@ -272,11 +305,12 @@ class Scheduler(beat.Scheduler):
         return due
 
     def _run_due(self) -> None:
-        now = utcnow()
+        now = self._clock.now()
         due = self._pop_due(now)
         s = self.settings
         claim: List[Tuple[Entry, Occurrence]] = []
         missed: List[Occurrence] = []
+        missed_by: Dict[str, int] = {}
         for entry, at, single in due:
             if single and now - at <= ON_TIME:
                 claim.append((entry, Occurrence(entry.name, at)))  # the usual case: one occurrence, on time
@@ -291,9 +325,16 @@ class Scheduler(beat.Scheduler):
             claim.extend((entry, Occurrence(entry.name, t)) for t in plan.send)
             missed.extend(Occurrence(entry.name, t) for t in plan.missed)
             if plan.missed:
-                logger.warning("cluster-beat: %s: %d%s occurrence(s) from %s missed (catch-up policy %s)",
-                               entry.name, len(plan.missed), "+" if plan.missed_truncated else "",
-                               plan.missed[0].isoformat(), policy)
+                missed_by[entry.name] = len(plan.missed)
+                logger.debug("cluster-beat: %s: %d%s occurrence(s) from %s missed (catch-up policy %s)",
+                              entry.name, len(plan.missed), "+" if plan.missed_truncated else "",
+                              plan.missed[0].isoformat(), policy)
+        if missed_by:
+            # One line a pass: after a stop with thousands of entries, not thousands of lines.
+            names = sorted(missed_by)
+            logger.warning("cluster-beat: catch-up: %d occurrence(s) of %d schedule(s) missed (%s%s); "
+                           "details at debug level", sum(missed_by.values()), len(names), ", ".join(names[:5]),
+                           ", ..." if len(names) > 5 else "")
         try:
             if missed:
                 for occ in self._store.record(missed, status=ClaimStatus.MISSED, reason="catchup", term=self._term()):
@@ -306,13 +347,39 @@ class Scheduler(beat.Scheduler):
                 self._next_at[entry.name] = at
                 heapq.heappush(self._heap, (at, entry.name))
             return
-        self._db_failures = 0
-        if time.monotonic() >= self._pipeline.next_sweep:
-            self._pipeline.sweep_stale(now)
+        self._db_ok()
+
+    def _housekeep(self) -> None:
+        """Every ``claim_grace / 3``: heartbeat (and clock sample), settle, sweep stale claims."""
+        self._next_housekeeping = time.monotonic() + self._housekeeping_interval()
+        try:
+            self._clock.sample(lambda: self._store.heartbeat(scheduling=self._active, clock_offset=self._clock.offset))
+            self._db_ok()
+            self._pipeline.settle()
+            if self._active:
+                self._pipeline.sweep_stale()
+        except StoreUnavailable as exc:
+            logger.error("cluster-beat: claim store unavailable (%s); backing off", exc)
+            self._db_trouble()
 
     def _db_trouble(self) -> None:
+        mono = time.monotonic()
         self._db_failures += 1
-        self._db_backoff_until = time.monotonic() + min(30.0, 0.5 * 2 ** min(self._db_failures, 6))
+        if self._db_down_since is None:
+            self._db_down_since = mono
+        self._db_backoff_until = mono + min(30.0, 0.5 * 2 ** min(self._db_failures, 6))
+
+    def _db_ok(self) -> None:
+        self._db_failures = 0
+        self._db_down_since = None
+
+    def _db_down_for(self) -> float:
+        return 0.0 if self._db_down_since is None else time.monotonic() - self._db_down_since
+
+    def _step_aside(self, why: str) -> None:
+        """Give the lease up for a node that can do the work (this one cannot reach the store)."""
+        self._lease.release()
+        self._deactivate(why)
 
     def _guarded_store_call(self, call, doing: str) -> None:
         try:
@@ -323,26 +390,32 @@ class Scheduler(beat.Scheduler):
 
     def _run_buffered(self) -> None:
         """Send buffered occurrences (overlap ``buffer_one``) whose previous run has finished."""
-        ready = self._guard.ready(utcnow())
+        ready = self._guard.ready(self._clock.now())
         if ready:
-            self._pipeline.claim_and_send(ready, utcnow(), guarded=False)
+            self._pipeline.claim_and_send(ready, self._clock.now(), guarded=False)
 
     def _prune(self) -> None:
+        """Delete finished rows past their retention, in bounded batches for at most
+        :data:`PRUNE_BUDGET` a pass; a backlog is worked off a pass a second."""
         s = self.settings
         self._next_prune = time.monotonic() + s.prune_interval
         if not self._active:
             return
         try:
-            n = self._store.prune(utcnow() - timedelta(seconds=s.claim_retention), batch=1000, max_batches=10)
+            n, done = self._store.prune_pass(self._clock.now() - timedelta(seconds=s.claim_retention),
+                                             time_budget=PRUNE_BUDGET)
         except StoreUnavailable as exc:
             logger.error("cluster-beat: pruning old claims failed: %s", exc)
             return
+        if not done:
+            self._next_prune = time.monotonic() + 1.0
         if n:
-            logger.info("cluster-beat: pruned %d claim row(s) older than %gs", n, s.claim_retention)
+            logger.info("cluster-beat: pruned %d claim row(s) older than %gs%s", n, s.claim_retention,
+                        "" if done else "; more to prune")
 
     def prune(self, older_than: float) -> int:
         """Delete claim rows whose occurrence is more than *older_than* seconds old (manual prune)."""
-        return self._store.prune(utcnow() - timedelta(seconds=older_than), batch=1000)
+        return self._store.prune(self._clock.now() - timedelta(seconds=older_than), batch=1000)
 
     # -- beat's persistence hooks ------------------------------------------------
     def should_sync(self) -> bool:
@@ -357,6 +430,8 @@ class Scheduler(beat.Scheduler):
             return
         self._closed = True
         self._active = False
+        if self._pipeline is not None:
+            self._pipeline.abandon()  # record what went out, hand the rest over before the lease goes
         if self._lease is not None:
             try:
                 self._lease.close()

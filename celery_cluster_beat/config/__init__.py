@@ -10,10 +10,10 @@ listing every problem, each naming the setting or the entry and field.
 May import: schedules (to validate schedules), leader (to build the very Redis
 client it validates), errors, base. Never store or beat.
 """
-from .celeryconf import RedisOptions, default_entries, has_result_backend, lease_name
+from .celeryconf import RedisOptions, default_entries, has_result_backend
 from .entries import Entry, build_entries
 from .settings import Settings, load_settings
 from .values import CatchupPolicy, OverlapPolicy
 
 __all__ = ["Entry", "build_entries", "Settings", "load_settings", "CatchupPolicy", "OverlapPolicy",
-           "RedisOptions", "has_result_backend", "default_entries", "lease_name"]
+           "RedisOptions", "has_result_backend", "default_entries"]

@@ -2,12 +2,11 @@
 
 Whether the app has a result backend, which Redis the lease uses and with
 which client options (the broker's, when the lease shares the broker's Redis),
-the lease's name, and the default entries Celery's beat would add. The options
+and the default entries Celery's beat would add. The options
 validated at start-up are the very ones the lease's client is built from.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
@@ -64,12 +63,6 @@ def redis_options(conf: Any, url: str, lock_ttl: float) -> RedisOptions:
         ssl=(conf.broker_use_ssl or None) if same_as_broker else None,
         socket_timeout=min(MAX_REDIS_TIMEOUT, lock_ttl / 2),
     )
-
-
-def lease_name(app: Any, db_url: str) -> str:
-    """One lease per claim database: two clusters sharing a Redis never block each other."""
-    digest = hashlib.sha1(db_url.encode()).hexdigest()[:10]
-    return f"{app.main or 'celery'}:{digest}"
 
 
 def default_entries(app: Any, present: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:

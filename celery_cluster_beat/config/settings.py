@@ -22,6 +22,10 @@ from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_proble
 DEFAULT_DB_URL = "sqlite:///celerybeat-cluster.sqlite3"
 
 
+#: Longest cluster name: it is part of Redis key names.
+MAX_CLUSTER_NAME_LENGTH = 200
+
+
 @dataclass(frozen=True)
 class Settings:
     db_url: str
@@ -39,6 +43,8 @@ class Settings:
     claim_grace: float
     #: How the lease's Redis client is built (None: no lease); validated by building one.
     redis: Optional[RedisOptions] = None
+    #: Names the lease: the nodes of one cluster share it, other clusters on the same Redis do not.
+    cluster_name: str = "celery"
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
@@ -48,8 +54,10 @@ class Settings:
         return f"Settings({shown})"
 
 
-def load_settings(conf: Any, *, has_result_backend: Callable[[], bool]) -> Settings:
-    """Read and validate every ``cluster_beat_*`` setting from Celery's *conf*."""
+def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name: Optional[str] = None) -> Settings:
+    """Read and validate every ``cluster_beat_*`` setting from Celery's *conf*.
+
+    *app_name* (the Celery app's ``main``) is the default cluster name."""
     problems: List[str] = []
     get = conf.get
 
@@ -78,6 +86,11 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool]) -> Setti
     if not isinstance(node_id, str) or len(node_id) > MAX_NODE_ID_LENGTH:
         problems.append(f"setting cluster_beat_node_id: expected a string of at most "
                         f"{MAX_NODE_ID_LENGTH} characters, got {node_id!r}")
+
+    cluster_name = get("cluster_beat_cluster_name") or app_name or "celery"
+    if not isinstance(cluster_name, str) or len(cluster_name) > MAX_CLUSTER_NAME_LENGTH:
+        problems.append(f"setting cluster_beat_cluster_name: expected a string of at most "
+                        f"{MAX_CLUSTER_NAME_LENGTH} characters, got {cluster_name!r}")
 
     lock_ttl = seconds("cluster_beat_lock_ttl", 5.0)
     if lock_ttl is not None and lock_ttl < 0.5:
@@ -138,4 +151,5 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool]) -> Setti
         prune_interval=prune_interval,
         claim_grace=claim_grace,
         redis=redis,
+        cluster_name=cluster_name,
     )

@@ -26,6 +26,13 @@ Keys (one Redis Cluster slot thanks to the ``{name}`` hash tag)::
     cluster_beat:{<name>}:lease      "<token>:<term>:<node_id>", PX ttl
     cluster_beat:{<name>}:term       the term counter (never expires)
     cluster_beat:{<name>}:released   pub/sub channel of release notices
+    cluster_beat:{<name>}:cluster    the cluster id of the claim store the lease serves;
+                                     refreshed by every acquisition, expires 30 days after the last
+
+A lease is named after the cluster (``cluster_beat_cluster_name``), never after
+a URL: a key must not publish anything derived from a password. Two claim
+databases behind one lease would keep two histories, so the acquire script
+refuses a node whose store's cluster id differs from the one recorded.
 
 Thread safety: the methods that talk to Redis serialise on an internal lock, so
 ``release()``/``close()`` may be called from a signal handler or another thread
@@ -49,7 +56,7 @@ from redis.exceptions import RedisError
 from ..errors import ConfigError
 from .urls import mask_url
 
-__all__ = ["LeaseEvent", "RedisLease", "lease_keys"]
+__all__ = ["LeaseEvent", "RedisLease", "lease_keys", "cluster_key", "ForeignClusterError"]
 
 logger = logging.getLogger("celery_cluster_beat.lease")
 
@@ -81,6 +88,20 @@ def lease_keys(name: str) -> "tuple[str, str, str]":
     return base + ":lease", base + ":term", base + ":released"
 
 
+def cluster_key(name: str) -> str:
+    """The key naming the claim store (by its cluster id) that lease *name* belongs to."""
+    return f"cluster_beat:{{{name}}}:cluster"
+
+
+#: How long the cluster id key outlives the last acquisition: a decommissioned cluster's
+#: key goes away, a running one's is refreshed by every acquisition.
+CLUSTER_KEY_TTL = 30 * 86400.0
+
+
+class ForeignClusterError(ConfigError):
+    """The lease is used by nodes of another claim store: two histories behind one leader."""
+
+
 # Every script starts with this: is a lease value ours (does it carry our token, ARGV[1])?
 _OURS = """
 local function ours(value)
@@ -88,13 +109,22 @@ local function ours(value)
 end
 """
 
-# KEYS[1] lease key, KEYS[2] term counter
-# ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] node id, ARGV[4] lowest term the counter may hold
-# Returns {1, value} when we hold the lease now, {0, holder's value, holder's pttl} otherwise.
+# KEYS[1] lease key, KEYS[2] term counter, KEYS[3] cluster id key
+# ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] node id, ARGV[4] lowest term the counter may hold,
+# ARGV[5] our cluster id ('' for none), ARGV[6] how long the cluster id key lives (ms)
+# Returns {1, value} when we hold the lease now, {0, holder's value, holder's pttl} otherwise,
+# {-1, their cluster id} when the lease belongs to another cluster (another claim store).
 # Idempotent for one token: if a previous call with the same token set the key but
 # its reply was lost, calling again returns that holding (and refreshes its ttl)
 # instead of locking ourselves out until it expires.
 _ACQUIRE = _OURS + """
+if ARGV[5] ~= '' then
+    local cluster = redis.call('get', KEYS[3])
+    if cluster and cluster ~= ARGV[5] then
+        return {-1, cluster}
+    end
+    redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
+end
 local current = redis.call('get', KEYS[1])
 if current then
     if ours(current) then
@@ -180,6 +210,8 @@ class RedisLease:
         lock held, so it must be quick and must not call back into the lease.
         Its exceptions are logged and swallowed.
     :param clock: monotonic clock (seconds).
+    :param cluster_id: the id of the claim store this node writes to; the lease
+        then refuses nodes of another store (see :meth:`check_cluster`).
     """
 
     def __init__(
@@ -192,6 +224,7 @@ class RedisLease:
         safety_margin: Optional[float] = None,
         on_event: Optional[Callable[[LeaseEvent, dict], None]] = None,
         clock: Callable[[], float] = time.monotonic,
+        cluster_id: Optional[str] = None,
     ) -> None:
         problems = []
         if not isinstance(name, str) or not name:
@@ -228,6 +261,10 @@ class RedisLease:
         self._on_event = on_event
         self._clock = clock
         self.lease_key, self.term_key, self.channel = lease_keys(name)
+        self.cluster_key = cluster_key(name)
+        self.cluster_id = cluster_id
+        #: The other cluster's id when the lease belongs to another claim store.
+        self.foreign_cluster: Optional[str] = None
 
         self._lock = threading.RLock()
         self._client: Optional[redis.Redis] = None
@@ -354,8 +391,9 @@ class RedisLease:
                 acquire = self._get_scripts(client)[0]
                 sent = self._clock()
                 reply = acquire(
-                    keys=[self.lease_key, self.term_key],
-                    args=[token, self._ttl_ms, self.node_id, self._term_floor],
+                    keys=[self.lease_key, self.term_key, self.cluster_key],
+                    args=[token, self._ttl_ms, self.node_id, self._term_floor, self.cluster_id or "",
+                          int(CLUSTER_KEY_TTL * 1000)],
                     client=client,
                 )
             except _REDIS_ERRORS as exc:
@@ -367,6 +405,13 @@ class RedisLease:
             received = self._clock()
             self._pending_token = None
             self._note_up()
+            if int(reply[0]) == -1:
+                theirs = _text(reply[1])
+                if theirs != self.foreign_cluster:
+                    self.foreign_cluster = theirs
+                    logger.error("lease %r: %s", self.name, self._foreign_message(theirs))
+                return False
+            self.foreign_cluster = None
             if int(reply[0]) == 1:
                 value = _text(reply[1])
                 term, _ = _parse_value(value)
@@ -399,6 +444,32 @@ class RedisLease:
                 )
                 self._holder = holder
             return False
+
+    def _foreign_message(self, theirs: str) -> str:
+        return (
+            f"node {self.node_id} writes to claim store {self.cluster_id}, but the lease {self.name!r} "
+            f"belongs to the nodes of claim store {theirs}: two claim databases behind one leader would "
+            "each keep a history of their own and resend what the other sent. Point cluster_beat_db_url "
+            "at the same database on every node of the cluster, or give this one its own "
+            f"cluster_beat_cluster_name (Redis key {self.cluster_key} names the store in use)."
+        )
+
+    def check_cluster(self) -> None:
+        """Refuse (ForeignClusterError) when the lease belongs to another claim store.
+
+        Called at start-up, so a misconfigured node stops with a message that
+        says what to change instead of standing by forever. Redis being down
+        is not an error here: the acquire script checks again.
+        """
+        if not self.cluster_id:
+            return
+        try:
+            theirs = self._get_client().get(self.cluster_key)
+        except _REDIS_ERRORS as exc:
+            logger.debug("lease %r: cannot check the cluster id yet: %r", self.name, exc)
+            return
+        if theirs is not None and _text(theirs) != self.cluster_id:
+            raise ForeignClusterError(self._foreign_message(_text(theirs)))
 
     def renew(self) -> bool:
         """Extend our holding by ttl; False when we do not hold the lease (any more).

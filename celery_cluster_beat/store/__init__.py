@@ -10,7 +10,7 @@ leader, config or beat: a fencing term arrives as a plain integer.
 """
 from .claims import ClaimStore
 from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
-from .schema import SCHEMA_VERSION, ClaimRow, ClaimStatus, ScheduleState
+from .schema import SCHEMA_VERSION, ClaimRow, ClaimStatus, NodeState, ScheduleState
 
-__all__ = ["ClaimStore", "ClaimRow", "ClaimStatus", "ScheduleState", "SCHEMA_VERSION",
+__all__ = ["ClaimStore", "ClaimRow", "ClaimStatus", "NodeState", "ScheduleState", "SCHEMA_VERSION",
            "SchemaVersionError", "StaleTermError", "StoreUnavailable"]

@@ -9,10 +9,19 @@ only one of them can win the row.
 
 A leader lease (Redis, elsewhere) hands out a fencing token ("term") with
 INCR. Each claiming transaction first raises ``cluster_beat_leader.term`` to
-its own term with ``UPDATE ... WHERE term <= :term``: a deposed leader whose
-lease expired while it was paused finds a higher term recorded and is refused
+its own term with ``UPDATE ... WHERE term < :term OR (term = :term AND node =
+:me)``: a deposed leader whose lease expired while it was paused finds a higher
+term recorded (or its own term held by another node) and is refused
 (:class:`StaleTermError`) in the same transaction that would have inserted its
 claims, so it cannot claim anything after a newer leader has claimed.
+
+Who may send a claimed row: its claimant, which confirms the row is still its
+own just before publishing (:meth:`ClaimStore.confirm`); another node only once
+the claimant is known to be gone by the database's clock: its heartbeat in
+``cluster_beat_nodes`` is older than the grace, the claim is older than the
+claimant's current start, or the claimant handed it over
+(:meth:`ClaimStore.release`). Every time compared across nodes is the
+database's (:meth:`ClaimStore.db_now`), never a node's own clock.
 
 Design rules followed throughout:
 
@@ -32,31 +41,35 @@ import random
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, make_url
 
+from .. import faults
 from ..base import MAX_NAME_LENGTH, MAX_NODE_ID_LENGTH, clip
 from ..errors import ConfigError
-from ..schedules.instants import require_aware, utcnow
+from ..schedules.instants import EPOCH, require_aware
 from ..schedules.occurrence import Occurrence
 from .dialects import SUPPORTED_BACKENDS, dialect_for
-from .dialects.base import KEY_COLUMNS, ClaimValues, KeyedUpdate, Merge, chunks, claim_key
+from .dialects.base import KEY_COLUMNS, ClaimValues, KeyedUpdate, Merge, chunks, claim_key, new_token
 from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
 from .schema import (
     CLAIM_KEY,
+    MIGRATIONS,
     SCHEMA_VERSION,
     STATUSES,
     TASK_ID_LENGTH,
     ClaimRow,
     ClaimStatus,
+    NodeState,
     ScheduleState,
     claims_table,
     leader_table,
     meta_table,
     metadata,
+    nodes_table,
     schedules_table,
 )
 
@@ -75,6 +88,13 @@ logger = logging.getLogger(__name__)
 
 #: How often a transaction the server aborted as a deadlock victim is retried.
 _DEADLOCK_ATTEMPTS = 4
+
+#: The node a released claim is given: no node has this id (node ids are never empty),
+#: so the row reads as its claimant's being gone and the next sweep takes it at once.
+RELEASED = ""
+
+#: Seconds one prune statement may run (where the server can bound it).
+PRUNE_STATEMENT_TIMEOUT = 5.0
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -146,6 +166,17 @@ class ClaimStore:
         self._engine: Engine | None = None
         self._open_lock = threading.Lock()
         self._dialect = dialect_for(backend)
+        self._cluster_id: str | None = None
+
+    @property
+    def cluster_id(self) -> str:
+        """The random id this database was given when its tables were created (known once open).
+
+        Nodes sharing a lease must share a store: the lease compares this id.
+        """
+        if self._cluster_id is None:
+            raise RuntimeError(f"{self!r} is not open; call open() first")
+        return self._cluster_id
 
     def __repr__(self) -> str:
         return f"<ClaimStore {self.url_masked} node={self.node_id!r}>"
@@ -205,14 +236,23 @@ class ClaimStore:
             with self._connection(engine, write=True) as conn:
                 try:
                     with conn.begin():
-                        self._check_version(conn)
+                        found = self._check_version(conn)
+                        if found is not None and found < SCHEMA_VERSION:
+                            self._migrate(conn, found)
                         metadata.create_all(conn, checkfirst=True)
                         self._dialect.insert_if_absent(
-                            conn, meta_table, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}], ["key"]
+                            conn,
+                            meta_table,
+                            [{"key": "schema_version", "value": str(SCHEMA_VERSION)},
+                             {"key": "cluster_id", "value": new_token()}],
+                            ["key"],
                         )
                         self._insert_leader_row(conn)
                         # A concurrent opener may have stamped first: check again.
                         self._check_version(conn)
+                        self._cluster_id = conn.execute(
+                            sa.select(meta_table.c.value).where(meta_table.c.key == "cluster_id")
+                        ).scalar_one()
                     return
                 except sa.exc.DBAPIError as exc:
                     # Another replica created a table between our "exists?"
@@ -222,14 +262,26 @@ class ClaimStore:
                     logger.debug("schema creation raced another node (%s); retrying", exc.orig)
             time.sleep(0.1 * attempt + random.random() * 0.1)
 
-    def _check_version(self, conn: Connection) -> None:
+    def _migrate(self, conn: Connection, found: int) -> None:
+        """Bring a store written by an older release up to :data:`SCHEMA_VERSION`, step by step."""
+        for version in range(found, SCHEMA_VERSION):
+            logger.info("claim store %s: migrating the schema from version %d to %d",
+                        self.url_masked, version, version + 1)
+            for step in MIGRATIONS.get(version, ()):
+                step(conn)
+        conn.execute(
+            sa.update(meta_table).where(meta_table.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
+        )
+
+    def _check_version(self, conn: Connection) -> int | None:
+        """The schema version the database records (None for a new database); refuses a newer one."""
         if not sa.inspect(conn).has_table(meta_table.name):
-            return
+            return None
         raw = conn.execute(
             sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")
         ).scalar_one_or_none()
         if raw is None:
-            return
+            return None
         try:
             version = int(raw)
         except ValueError:
@@ -244,6 +296,7 @@ class ClaimStore:
                 "by a newer release. Upgrade celery-cluster-beat on this node (or point it at "
                 "another database); refusing to open it"
             )
+        return version
 
     # ------------------------------------------------------------------ plumbing
 
@@ -278,27 +331,35 @@ class ClaimStore:
                 time.sleep(random.uniform(0.005, 0.05) * attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _now(self, conn: Connection) -> datetime:
+        return self._dialect.db_now(conn)
+
     def _insert_leader_row(self, conn: Connection) -> None:
         """Create the leader row (term 0) unless it exists."""
         self._dialect.insert_if_absent(
-            conn, leader_table, [{"id": 1, "term": 0, "node": None, "updated_at": utcnow()}], ["id"]
+            conn, leader_table, [{"id": 1, "term": 0, "node": None, "updated_at": self._now(conn)}], ["id"]
         )
 
     def _fence(self, conn: Connection, term: int | None) -> None:
         """Raise the recorded term to *term*, or refuse: it holds the leader row
-        lock until commit, so fenced writers are serialized on it."""
+        lock until commit, so fenced writers are serialized on it.
+
+        An equal term is ours only if we recorded it: two nodes holding "the
+        same" term (two leases over one store) are refused, not both admitted.
+        """
         if term is None:
             return
         term = int(term)
+        lt = leader_table
         for _ in range(2):
             result = conn.execute(
-                sa.update(leader_table)
-                .where(leader_table.c.id == 1, leader_table.c.term <= term)
-                .values(term=term, node=self.node_id, updated_at=utcnow())
+                sa.update(lt)
+                .where(lt.c.id == 1, sa.or_(lt.c.term < term, sa.and_(lt.c.term == term, lt.c.node == self.node_id)))
+                .values(term=term, node=self.node_id, updated_at=self._now(conn))
             )
             if result.rowcount:
                 return
-            seen = conn.execute(sa.select(leader_table.c.term).where(leader_table.c.id == 1)).scalar()
+            seen = conn.execute(sa.select(lt.c.term).where(lt.c.id == 1)).scalar()
             if seen is not None:
                 raise StaleTermError(int(seen), term)
             # Row deleted by hand: recreate it, then fence again.
@@ -310,19 +371,21 @@ class ClaimStore:
         conn: Connection,
         rows: list[dict[str, Any]],
         *,
+        now: datetime,
         add: Sequence[str] = (),
         greatest: Sequence[str] = (),
         assign: Sequence[str] = (),
+        forward: tuple[str, Sequence[str]] | None = None,
     ) -> None:
         """Insert or merge per-schedule state: counters in *add* are summed,
-        datetimes in *greatest* keep the later value, *assign* overwrites."""
+        datetimes in *greatest* keep the later value, *assign* overwrites,
+        *forward* assigns only what is not older (see :class:`Merge`)."""
         if not rows:
             return
-        now = utcnow()
         rows = sorted(rows, key=lambda r: r["name"])  # global lock order
         for row in rows:
             row["updated_at"] = now
-        merge = Merge(add=add, greatest=greatest, assign=(*assign, "updated_at"))
+        merge = Merge(add=add, greatest=greatest, assign=(*assign, "updated_at"), forward=forward)
         self._dialect.upsert(conn, schedules_table, rows, "name", merge)
 
     def _validate(self, occurrences: Sequence[Occurrence]) -> list[Occurrence]:
@@ -342,7 +405,8 @@ class ClaimStore:
     # ------------------------------------------------------------------ claiming
 
     @_database_errors
-    def claim(self, occurrences: Sequence[Occurrence], *, term: int | None = None) -> list[Occurrence]:
+    def claim(self, occurrences: Sequence[Occurrence], *, term: int | None = None, token: str | None = None,
+              resume: bool = False) -> list[Occurrence]:
         """Claim occurrences for sending; only the returned ones may be sent by this node.
 
         One transaction: fence with *term*, insert-if-absent every
@@ -350,10 +414,17 @@ class ClaimStore:
         occurrences this call inserted (input order); the rest were already
         claimed by some node and are counted as ``claim_lost``.
 
+        *token* marks the rows written. With *resume*, a claim retried after an
+        error (a commit whose reply was lost) passes the failed attempt's token:
+        rows that attempt wrote count as won, not as claimed by another node.
+
         Raises StaleTermError (and writes nothing) when a higher term than
         *term* is recorded.
         """
-        return self._insert(occurrences, status=ClaimStatus.CLAIMED, reason=None, term=term)
+        won = self._insert(occurrences, status=ClaimStatus.CLAIMED, reason=None, term=term,
+                           token=token or new_token(), resume=resume)
+        faults.hit("claim-committed", error=StoreUnavailable)  # committed; the reply may yet be lost
+        return won
 
     @_database_errors
     def record(
@@ -376,10 +447,12 @@ class ClaimStore:
             )
         if not reason:
             raise ValueError("record() needs a reason (e.g. 'overlap', 'catchup')")
-        return self._insert(occurrences, status=ClaimStatus(status), reason=clip(str(reason)), term=term)
+        return self._insert(occurrences, status=ClaimStatus(status), reason=clip(str(reason)), term=term,
+                            token=new_token())
 
     def _insert(
-        self, occurrences: Sequence[Occurrence], *, status: ClaimStatus, reason: str | None, term: int | None
+        self, occurrences: Sequence[Occurrence], *, status: ClaimStatus, reason: str | None, term: int | None,
+        token: str, resume: bool = False,
     ) -> list[Occurrence]:
         unique = self._validate(occurrences)
         if not unique:
@@ -389,8 +462,15 @@ class ClaimStore:
 
         def work(conn: Connection) -> set[tuple[str, datetime]]:
             self._fence(conn, term)
-            shared = ClaimValues(claimed_at=utcnow(), node=self.node_id, term=term, status=status.value, reason=reason)
+            faults.hit("claim-in-transaction")
+            now = self._now(conn)
+            shared = ClaimValues(claimed_at=now, node=self.node_id, term=term, status=status.value, reason=reason,
+                                 token=token)
             won = self._dialect.insert_claims(conn, ordered, shared)
+            if resume:
+                rest = [occ for occ in ordered if claim_key(occ) not in won]
+                if rest:
+                    won |= self._dialect.keys_written(conn, token, rest)
             per: dict[str, dict[str, Any]] = {}
             counter = "claim_lost" if claiming else status.value
             for occ in ordered:
@@ -405,7 +485,7 @@ class ClaimStore:
                 else:
                     state["claim_lost"] += 1
             add = ("claim_lost",) if claiming else ("claim_lost", counter)
-            self._upsert_schedules(conn, list(per.values()), add=add, greatest=("last_occurrence",))
+            self._upsert_schedules(conn, list(per.values()), now=now, add=add, greatest=("last_occurrence",))
             return won
 
         won = self._run(work)
@@ -426,7 +506,7 @@ class ClaimStore:
         c = claims_table
 
         def work(conn: Connection) -> int:
-            now = utcnow()
+            now = self._now(conn)
             changed: list[Any] = []
             for chunk in chunks(ordered, self._dialect.batch):
                 update = KeyedUpdate(
@@ -440,16 +520,20 @@ class ClaimStore:
                 )
                 changed.extend(self._dialect.update_by_keys(conn, update))
             per: dict[str, dict[str, Any]] = {}
-            latest: dict[str, datetime] = {}
             for schedule, at, task_id in changed:
                 state = per.setdefault(
-                    schedule, {"name": schedule, "sent": 0, "last_task_id": task_id, "last_sent_at": now}
+                    schedule,
+                    {"name": schedule, "sent": 0, "last_task_id": task_id, "last_sent_at": now,
+                     "last_sent_occurrence": at},
                 )
                 state["sent"] += 1
-                if schedule not in latest or at > latest[schedule]:
-                    latest[schedule] = at
+                if at > state["last_sent_occurrence"]:
+                    state["last_sent_occurrence"] = at
                     state["last_task_id"] = task_id
-            self._upsert_schedules(conn, list(per.values()), add=("sent",), assign=("last_task_id", "last_sent_at"))
+            # The last run only moves forward: a late (re)send of an older occurrence
+            # must not make the overlap guard watch that older run.
+            self._upsert_schedules(conn, list(per.values()), now=now, add=("sent",),
+                                   forward=("last_sent_occurrence", ("last_task_id", "last_sent_at")))
             return len(changed)
 
         return self._run(work)
@@ -467,7 +551,7 @@ class ClaimStore:
         c = claims_table
 
         def work(conn: Connection) -> bool:
-            now = utcnow()
+            now = self._now(conn)
             values: dict[str, Any] = {"reason": error, "attempts": c.c.attempts + 1}
             if final:
                 values["status"] = ClaimStatus.FAILED.value
@@ -486,17 +570,21 @@ class ClaimStore:
             if result.rowcount != 1:
                 return False
             state = {"name": occurrence.schedule, "last_error": error, "last_error_at": now, "failed": int(final)}
-            self._upsert_schedules(conn, [state], add=("failed",), assign=("last_error", "last_error_at"))
+            self._upsert_schedules(conn, [state], now=now, add=("failed",), assign=("last_error", "last_error_at"))
             return True
 
         return self._run(work)
 
     @_database_errors
-    def take_over_stale(
-        self, older_than: datetime, *, term: int | None = None, limit: int = 500
-    ) -> list[Occurrence]:
-        """Adopt rows left ``claimed`` since before *older_than* (their node died
-        between claim and send) so they get sent.
+    def take_over_stale(self, grace: float, *, term: int | None = None, limit: int = 500) -> list[Occurrence]:
+        """Adopt rows left ``claimed`` by a node that is gone, so they get sent.
+
+        Gone, by the database's clock: the claimant's heartbeat is older than
+        *grace* seconds, or the claim predates the claimant's current start (it
+        restarted), or it handed the row over (:meth:`release`), or it never
+        heartbeated at all. A row is taken only once it is itself older than
+        *grace*. This node's own rows older than *grace* are adopted too: they
+        are ones it lost track of (the caller skips those it is retrying).
 
         The UPDATE repeats each row's old node and claimed_at in its WHERE, so
         when two sweepers race, the second finds the row changed and skips
@@ -504,16 +592,20 @@ class ClaimStore:
         keep their task id, so the resend is recognisable as the same task.
         Fenced like :meth:`claim`.
         """
-        cutoff = require_aware(older_than, "older_than")
         if limit <= 0:
             return []
-        c = claims_table
+        c, n = claims_table, nodes_table
 
         def work(conn: Connection) -> list[Occurrence]:
             self._fence(conn, term)
+            now = self._now(conn)
+            cutoff = now - timedelta(seconds=grace)
+            gone = sa.or_(n.c.node.is_(None), n.c.heartbeat_at < cutoff, c.c.claimed_at < n.c.started_at,
+                          c.c.node == self.node_id)
             query = (
                 sa.select(*KEY_COLUMNS, c.c.node, c.c.claimed_at, c.c.task_id)
-                .where(c.c.status == ClaimStatus.CLAIMED.value, c.c.claimed_at < cutoff)
+                .select_from(c.outerjoin(n, n.c.node == c.c.node))
+                .where(c.c.status == ClaimStatus.CLAIMED.value, c.c.claimed_at < cutoff, gone)
                 .order_by(c.c.claimed_at, *KEY_COLUMNS)
                 .limit(limit)
             )
@@ -521,7 +613,6 @@ class ClaimStore:
             if not stale:
                 return []
             stale = sorted(stale)
-            now = utcnow()
             taken: list[Any] = []
             for rows in chunks(stale, self._dialect.batch):
                 update = KeyedUpdate(
@@ -536,10 +627,88 @@ class ClaimStore:
             per: dict[str, dict[str, Any]] = {}
             for schedule, _at, _task_id in taken:
                 per.setdefault(schedule, {"name": schedule, "resent": 0})["resent"] += 1
-            self._upsert_schedules(conn, list(per.values()), add=("resent",))
+            self._upsert_schedules(conn, list(per.values()), now=now, add=("resent",))
             return [Occurrence(s, at, task_id=task_id) for s, at, task_id in sorted(taken)]
 
         return self._run(work)
+
+    @_database_errors
+    def confirm(self, occurrences: Sequence[Occurrence], *, term: int | None = None) -> list[Occurrence]:
+        """The occurrences still claimed by this node, with their claims refreshed; the one
+        statement a sender runs just before publishing them.
+
+        Rows another node took over meanwhile are not returned (and must not
+        be published here). Fenced like :meth:`claim`; refreshes this node's
+        heartbeat too, so a long burst keeps it alive.
+        """
+        unique = sorted(_unique(occurrences), key=claim_key)
+        if not unique:
+            return []
+        c = claims_table
+
+        def work(conn: Connection) -> list[Any]:
+            self._fence(conn, term)
+            now = self._now(conn)
+            mine: list[Any] = []
+            for chunk in chunks(unique, self._dialect.batch):
+                update = KeyedUpdate(
+                    cols=CLAIM_KEY,
+                    keys=[claim_key(o) for o in chunk],
+                    where={"node": self.node_id, "status": ClaimStatus.CLAIMED.value},
+                    values={"claimed_at": now},
+                    returning=KEY_COLUMNS,
+                    expected=[claim_key(o) for o in chunk],
+                )
+                mine.extend(self._dialect.update_by_keys(conn, update))
+            conn.execute(sa.update(nodes_table).where(nodes_table.c.node == self.node_id).values(heartbeat_at=now))
+            return mine
+
+        kept = {(r[0], r[1]) for r in self._run(work)}
+        return [occ for occ in occurrences if claim_key(occ) in kept]
+
+    @_database_errors
+    def release(self) -> int:
+        """Hand every row this node holds in ``claimed`` to the next sender; returns how many.
+
+        For a node that stops scheduling (lease lost, shut down): its unsent
+        claims are taken over by the next sweep instead of after the grace.
+        Call it only once every message this node published is marked sent.
+        """
+        c = claims_table
+
+        def work(conn: Connection) -> int:
+            result = conn.execute(
+                sa.update(c)
+                .where(c.c.node == self.node_id, c.c.status == ClaimStatus.CLAIMED.value)
+                .values(node=RELEASED, claimed_at=EPOCH, reason=clip(f"released by {self.node_id}"),
+                        op_token=new_token())
+            )
+            return max(result.rowcount, 0)
+
+        return self._run(work)
+
+    @_database_errors
+    def heartbeat(self, *, scheduling: bool, clock_offset: float | None = None, register: bool = False) -> datetime:
+        """Record that this node is alive (by the database's clock) and return that time.
+
+        *register* starts a new incarnation: claims this node id made before
+        now count as a stopped node's and may be taken over.
+        """
+
+        def work(conn: Connection) -> datetime:
+            now = self._now(conn)
+            row = {"node": self.node_id, "started_at": now, "heartbeat_at": now, "scheduling": bool(scheduling),
+                   "clock_offset": clock_offset}
+            assign = ("heartbeat_at", "scheduling", "clock_offset") + (("started_at",) if register else ())
+            self._dialect.upsert(conn, nodes_table, [row], "node", Merge(assign=assign))
+            return now
+
+        return self._run(work)
+
+    @_database_errors
+    def db_now(self) -> datetime:
+        """The database's clock (aware UTC)."""
+        return self._run(self._now, write=False)
 
     # ------------------------------------------------------------------ reading
 
@@ -583,6 +752,19 @@ class ClaimStore:
         return [ScheduleState(**row._asdict()) for row in rows]
 
     @_database_errors
+    def nodes(self) -> list[NodeState]:
+        """Every node that has heartbeated to this store, most recent first."""
+        n = nodes_table
+        rows = self._run(
+            lambda conn: conn.execute(
+                sa.select(n.c.node, n.c.started_at, n.c.heartbeat_at, n.c.scheduling, n.c.clock_offset)
+                .order_by(n.c.heartbeat_at.desc(), n.c.node)
+            ).all(),
+            write=False,
+        )
+        return [NodeState(*row) for row in rows]
+
+    @_database_errors
     def claims(
         self,
         schedule: str | None = None,
@@ -614,12 +796,28 @@ class ClaimStore:
         (re)send. Per-schedule state lives in ``cluster_beat_schedules`` and is
         untouched.
         """
+        return self._prune(older_than, batch=batch, max_batches=max_batches)[0]
+
+    @_database_errors
+    def prune_pass(self, older_than: datetime, *, time_budget: float, batch: int = 1000) -> tuple[int, bool]:
+        """Prune like :meth:`prune` for at most *time_budget* seconds; (rows deleted, done).
+
+        The scheduler calls this a pass at a time, so pruning keeps up with any
+        rate of new rows without ever holding up the loop for long.
+        """
+        return self._prune(older_than, batch=batch, deadline=time.monotonic() + time_budget)
+
+    def _prune(self, older_than: datetime, *, batch: int, max_batches: int | None = None,
+               deadline: float | None = None) -> tuple[int, bool]:
         cutoff = require_aware(older_than, "older_than")
         if batch <= 0:
             raise ValueError(f"batch must be positive, got {batch!r}")
         c = claims_table
+        timeout = self._dialect.statement_timeout_sql(PRUNE_STATEMENT_TIMEOUT)
 
         def one_batch(conn: Connection) -> tuple[int, int]:
+            if timeout:
+                conn.exec_driver_sql(timeout)
             # Select the keys first, then delete by key: MySQL refuses a
             # DELETE whose subquery reads the same table, and DELETE ... LIMIT
             # is not portable.
@@ -638,13 +836,15 @@ class ClaimStore:
 
         deleted = 0
         batches = 0
-        while max_batches is None or batches < max_batches:
+        while True:
             selected, removed = self._run(one_batch)
             batches += 1
             deleted += removed
             if selected < batch:
-                break
-        return deleted
+                return deleted, True
+            if (max_batches is not None and batches >= max_batches) or (
+                    deadline is not None and time.monotonic() >= deadline):
+                return deleted, False
 
 
 _CLAIM_ROW_FIELDS = ClaimRow.__dataclass_fields__.values()

@@ -15,9 +15,9 @@ from ..base import MAX_NAME_LENGTH, MAX_NODE_ID_LENGTH, StrEnum
 from ..schedules.instants import UTC, require_aware
 from ..schedules.occurrence import Occurrence
 
-#: Version of the tables below. Bump it (and teach :meth:`ClaimStore.open` to
-#: migrate) whenever a released schema changes.
-SCHEMA_VERSION = 1
+#: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
+#: whenever a released schema changes.
+SCHEMA_VERSION = 2
 
 
 class ClaimStatus(StrEnum):
@@ -139,6 +139,9 @@ schedules_table = sa.Table(
     sa.Column("last_occurrence", UTCDateTime(), nullable=True),
     sa.Column("last_task_id", sa.String(TASK_ID_LENGTH), nullable=True),
     sa.Column("last_sent_at", UTCDateTime(), nullable=True),
+    # The nominal instant of last_task_id's occurrence: the overlap guard's "last run"
+    # only moves forward, so a late resend of an older occurrence cannot replace it.
+    sa.Column("last_sent_occurrence", UTCDateTime(), nullable=True),
     sa.Column("last_error", sa.Text(), nullable=True),
     sa.Column("last_error_at", UTCDateTime(), nullable=True),
     *[sa.Column(c, sa.BigInteger(), nullable=False, server_default="0") for c in _COUNTERS],
@@ -153,6 +156,22 @@ leader_table = sa.Table(
     sa.Column("term", sa.BigInteger(), nullable=False),
     sa.Column("node", NameType(MAX_NODE_ID_LENGTH), nullable=True),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    **_MYSQL_TABLE,
+)
+
+nodes_table = sa.Table(
+    "cluster_beat_nodes",
+    metadata,
+    # Every node that ran against this store, with the database's time of its start and
+    # of its last heartbeat: a claim is taken over only when its claimant is known to be
+    # gone by that clock (heartbeat older than claim_grace, or the claim older than the
+    # node's current start), never by the claim's age alone.
+    sa.Column("node", NameType(MAX_NODE_ID_LENGTH), primary_key=True),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
+    sa.Column("scheduling", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("clock_offset", sa.Float(), nullable=True),  # seconds: database clock minus the node's
+    sa.Index("ix_cluster_beat_nodes_heartbeat_at", "heartbeat_at"),
     **_MYSQL_TABLE,
 )
 
@@ -202,3 +221,33 @@ class ScheduleState:
     claim_lost: int
     resent: int
     updated_at: datetime
+    last_sent_occurrence: datetime | None = None
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """One row of ``cluster_beat_nodes``: a node as the database last heard of it."""
+
+    node: str
+    started_at: datetime
+    heartbeat_at: datetime
+    scheduling: bool
+    clock_offset: float | None
+
+
+def _add_column(table: sa.Table, name: str) -> Any:
+    """A migration step adding *table*'s column *name* as the table defines it."""
+
+    def step(conn: Any) -> None:
+        col = table.c[name]
+        ddl = col.type.compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {name} {ddl} NULL")
+
+    return step
+
+
+#: version -> the steps that bring a store of that version to the next one. New tables
+#: are created by ``create_all``; only changes to existing tables are listed here.
+MIGRATIONS = {
+    1: [_add_column(schedules_table, "last_sent_occurrence")],
+}

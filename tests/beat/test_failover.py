@@ -443,31 +443,6 @@ def test_redis_restarted_under_the_cluster_replicas_survive_and_scheduling_resum
 # ----------------------------------------------------------------------------- term fencing
 
 
-FREEZING_SCHEDULER = '''
-import os as _os, signal as _signal
-from pathlib import Path as _Path
-from celery_cluster_beat.beat.scheduler import Scheduler as _ClusterScheduler
-
-
-class FreezingScheduler(_ClusterScheduler):
-    """Test hook: when the file freeze-<pid> exists, this replica stops itself (SIGSTOP)
-    right before its next claim statement, i.e. *after* it checked that it still leads."""
-
-    def setup_schedule(self):
-        super().setup_schedule()
-        claim = self._store.claim
-        flag = _Path(_os.environ["CCB_FREEZE_DIR"]) / f"freeze-{_os.getpid()}"
-
-        def freezing_claim(occurrences, *, term=None):
-            if flag.exists():
-                flag.unlink()
-                _os.kill(_os.getpid(), _signal.SIGSTOP)
-            return claim(occurrences, term=term)
-
-        self._store.claim = freezing_claim
-'''
-
-
 def _process_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
@@ -480,13 +455,15 @@ def test_leader_frozen_between_its_lease_check_and_its_claim_is_fenced_by_the_ne
 
     ttl = 2.0
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=EVERY_SECOND,
-                    conf=f"{{'cluster_beat_lock_ttl': {ttl}}}", tasks=DEFAULT_TASKS + FREEZING_SCHEDULER)
+                    conf=f"{{'cluster_beat_lock_ttl': {ttl}}}", tasks=DEFAULT_TASKS)
     cluster = cluster_factory(app)
-    cluster.start(3, scheduler=f"{app.module}.FreezingScheduler", env={"CCB_FREEZE_DIR": str(tmp_path)})
+    # Fault point: the leader stops itself (SIGSTOP) right before its next claim statement,
+    # i.e. *after* it checked that it still leads. Armed below, for the leader's pid only.
+    cluster.start(3, env={"CCB_FAULTS": "before-claim=stop", "CCB_FAULT_ARM_DIR": str(tmp_path)})
     old = cluster.steady_leader()
     frozen = cluster.proc(old)
 
-    (tmp_path / f"freeze-{frozen.pid}").touch()
+    (tmp_path / f"before-claim-{frozen.pid}").touch()
     wait_for(lambda: _process_state(frozen.pid) == "T", 10, what="the leader freezing before a claim")
     frozen_at = time.time()
     # A standby takes over once the lease expires, and its first claim records its (higher) term.

@@ -107,7 +107,7 @@ def test_open_creates_the_tables_and_records_the_schema_version(make_store, raw,
             "cluster_beat_claims", "cluster_beat_schedules", "cluster_beat_leader", "cluster_beat_meta"
         }
         version = conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")).scalar()
-    assert version == str(SCHEMA_VERSION) == "1"
+    assert version == str(SCHEMA_VERSION) == "2"
     assert store.current_term() == 0
     other = make_store("node-b")  # a second node opens the existing tables
     assert other.claim([occ("a", 0)]) == [occ("a", 0)]
@@ -123,7 +123,7 @@ def test_a_database_stamped_by_a_newer_release_is_refused(make_store, raw, db_ur
     with raw.begin() as conn:
         conn.execute(sa.update(meta_table).where(meta_table.c.key == "schema_version").values(value="99"))
     store = ClaimStore(db_url, node_id="node-b")
-    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 1") as info:
+    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 2") as info:
         store.open()
     assert isinstance(info.value, ConfigError)  # start-up configuration problem
     assert "Upgrade celery-cluster-beat" in str(info.value)
@@ -289,7 +289,7 @@ def test_claiming_without_a_term_leaves_the_leader_row_alone(make_store, raw):
         before = conn.execute(sa.select(leader_table)).one()
     assert store.claim([occ("a", 2)]) == [occ("a", 2)]
     store.record([occ("a", 3)], status="missed", reason="catchup")
-    store.take_over_stale(datetime.now(UTC) - timedelta(hours=1))
+    store.take_over_stale(3600)
     with raw.connect() as conn:
         assert conn.execute(sa.select(leader_table)).one() == before
     assert (before.term, before.node) == (3, "node-a")
@@ -339,7 +339,8 @@ def test_mark_sent_and_mark_failed_record_the_outcome_of_a_publish(make_store):
     assert (ra.status, ra.attempts, rb.status, rb.attempts) == ("sent", 2, "sent", 1)
     assert rb.sent_at <= ra.sent_at and rb.sent_at >= before - timedelta(seconds=1)
     st = states(store)["a"]
-    assert (st.sent, st.last_task_id, st.last_sent_at) == (2, a.task_id, ra.sent_at)  # the last call's
+    # The last run only moves forward: a (late) send of an older occurrence does not replace it.
+    assert (st.sent, st.last_task_id, st.last_sent_at, st.last_sent_occurrence) == (2, b.task_id, rb.sent_at, b.at)
     assert store.mark_sent([a, b, occ("a", 3)]) == 0
 
     assert store.mark_failed(c, "x" * 5000, final=True) is True
@@ -383,11 +384,10 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     sent = occ("done", 0)
     dead.claim([sent])
     dead.mark_sent([sent])
-    time.sleep(0.05)
-    cutoff = datetime.now(UTC)
-    time.sleep(0.05)
+    time.sleep(3.0)
+    grace = 1.5  # the stale rows are 3 s old, the fresh one is not yet 1.5 s old when swept
     fresh = occ("fresh", 0)
-    dead.claim([fresh])  # claimed after the cutoff: its node may still send it
+    dead.claim([fresh])  # claimed within the grace: its node may still send it
 
     sweepers = [make_store("node-a"), make_store("node-b")]
     barrier = threading.Barrier(len(sweepers))
@@ -397,7 +397,7 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     def sweep(store: ClaimStore) -> None:
         try:
             barrier.wait(timeout=30)
-            taken[store.node_id] = store.take_over_stale(cutoff, limit=500)
+            taken[store.node_id] = store.take_over_stale(grace, limit=500)
         except BaseException as exc:
             errors.append(exc)
 
@@ -416,7 +416,7 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     for node, occurrences in taken.items():
         for o in occurrences:
             row = rows[(o.schedule, o.at)]
-            assert (row.node, row.status) == (node, "claimed") and row.claimed_at > cutoff
+            assert (row.node, row.status) == (node, "claimed") and row.claimed_at > rows[("fresh", fresh.at)].claimed_at
     assert rows[("fresh", fresh.at)].node == "node-dead"
     assert rows[("done", sent.at)].status == "sent"
     assert sum(s.resent for s in dead.schedule_states()) == 20
@@ -424,19 +424,17 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     assert dead.mark_sent(stale) == 0  # the old owner, back from the dead, owns nothing
     winner = sweepers[0] if taken["node-a"] else sweepers[1]
     assert winner.mark_sent(taken[winner.node_id]) == len(taken[winner.node_id])
-    assert sweepers[0].take_over_stale(cutoff) == []
+    assert sweepers[0].take_over_stale(grace) == []
 
 
 def test_take_over_is_bounded_by_limit(make_store):
     dead, sweeper = make_store("node-dead"), make_store("node-a")
     dead.claim([occ("s", i) for i in range(7)])
-    time.sleep(0.02)
-    cutoff = datetime.now(UTC)
-    time.sleep(0.02)
-    first = sweeper.take_over_stale(cutoff, limit=5)
+    time.sleep(0.5)
+    first = sweeper.take_over_stale(0.2, limit=5)
     assert first == [occ("s", i) for i in range(5)]  # oldest claims first (then by key)
-    assert len(sweeper.take_over_stale(cutoff, limit=5)) == 2  # adopted rows are no longer stale
-    assert sweeper.take_over_stale(cutoff, limit=5) == []
+    assert len(sweeper.take_over_stale(0.2, limit=5)) == 2  # adopted rows are no longer stale
+    assert sweeper.take_over_stale(0.2, limit=5) == []
 
 
 # --------------------------------------------------------------------------- pruning
@@ -476,7 +474,6 @@ def test_naive_datetimes_are_refused(tmp_path):
     with ClaimStore(f"sqlite:///{tmp_path}/c.sqlite3", node_id="n") as store:
         naive = datetime(2030, 1, 1)
         for call in (
-            lambda: store.take_over_stale(naive),
             lambda: store.prune(naive),
             lambda: store.claims(since=naive),
         ):
@@ -497,8 +494,7 @@ def test_an_old_sqlite_without_returning_and_with_999_parameters_gives_the_same_
         assert store.claim(burst) == burst[:10] + burst[20:]
         assert store.mark_sent(burst) == 30
         assert other.mark_failed(burst[10], "boom") is True
-        cutoff = datetime.now(UTC) + timedelta(seconds=1)
-        assert sorted(keys(store.take_over_stale(cutoff))) == sorted(keys(burst[10:20]))
+        assert sorted(keys(store.take_over_stale(0))) == sorted(keys(burst[10:20]))
         assert store.mark_sent(burst[10:20]) == 10
         assert store.prune(T0 + timedelta(minutes=5)) == 25
         assert sum(s.sent for s in store.schedule_states()) == 40

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
+from ...schedules.instants import utcnow
 from ...schedules.occurrence import Occurrence
 from ..schema import CLAIM_KEY, ClaimStatus, UTCDateTime, claims_table
 
@@ -68,6 +69,9 @@ class ClaimValues(NamedTuple):
     term: int | None
     status: str  # a ClaimStatus value: drivers may not adapt the enum itself
     reason: str | None
+    #: The ``op_token`` the rows are written with: the claimant finds them by it when
+    #: the reply of a committed claim was lost.
+    token: str
 
 
 @dataclass(frozen=True)
@@ -78,18 +82,31 @@ class Merge:
     add: Sequence[str] = ()
     greatest: Sequence[str] = ()
     assign: Sequence[str] = ()
+    #: (order column, columns): the columns take the proposed values only when the proposed
+    #: order column is not older than the stored one; the order column keeps the later value.
+    forward: tuple[str, Sequence[str]] | None = None
 
     def changes(self, table: sa.Table, new: Any) -> dict[str, Any]:
         """The SET clauses, *new* being the proposed row (``excluded`` / ``inserted``)."""
         changes: dict[str, Any] = {}
-        for col in self.add:
-            changes[col] = table.c[col] + new[col]
-        for col in self.greatest:
+        if self.forward is not None:
+            # First: MySQL evaluates ON DUPLICATE KEY UPDATE left to right, so the order
+            # column must still hold its old value when these compare against it.
+            order, cols = self.forward
+            for col in cols:
+                changes[col] = sa.case(
+                    (table.c[order].is_(None), new[col]),
+                    (new[order] >= table.c[order], new[col]),
+                    else_=table.c[col],
+                )
+        for col in (*self.greatest, *((self.forward[0],) if self.forward else ())):
             changes[col] = sa.case(
                 (table.c[col].is_(None), new[col]),
                 (new[col] > table.c[col], new[col]),
                 else_=table.c[col],
             )
+        for col in self.add:
+            changes[col] = table.c[col] + new[col]
         for col in self.assign:
             changes[col] = new[col]
         return changes
@@ -142,7 +159,7 @@ class Dialect:
 
     def install_events(self, engine: Engine, lock_timeout: float) -> None:
         """Set up every new connection; here: bound its lock waits to *lock_timeout* seconds."""
-        sql = self.lock_timeout_sql(lock_timeout)
+        statements = self.session_sql(lock_timeout)
 
         @sa.event.listens_for(engine, "connect")
         def _server_connect(dbapi_conn: Any, record: Any) -> None:
@@ -150,14 +167,28 @@ class Dialect:
             # must not stall the others' claims indefinitely.
             cur = dbapi_conn.cursor()
             try:
-                cur.execute(sql)
+                for sql in statements:
+                    cur.execute(sql)
             finally:
                 cur.close()
             dbapi_conn.commit()
 
-    def lock_timeout_sql(self, seconds: float) -> str:
-        """The statement that bounds a session's lock waits to *seconds*."""
+    def session_sql(self, lock_timeout: float) -> list[str]:
+        """The statements that bound a session's lock waits to *lock_timeout* seconds (and
+        whatever else keeps a frozen session from holding others up)."""
         raise NotImplementedError
+
+    def db_now(self, conn: Connection) -> datetime:
+        """The database server's clock, aware UTC: every time compared across nodes comes from here.
+
+        The default (SQLite, a file with no server) is the local clock, which
+        is every SQLite user's clock: they share one host.
+        """
+        return utcnow()
+
+    def statement_timeout_sql(self, seconds: float) -> str | None:
+        """A statement bounding the current transaction's statements to *seconds* (None: not supported)."""
+        return None
 
     def learn(self, dialect: sa.engine.Dialect) -> None:
         """Record what the server supports, once the engine has connected."""
@@ -197,12 +228,11 @@ class Dialect:
     def insert_claims(self, conn: Connection, ordered: Sequence[Occurrence], shared: ClaimValues) -> set[Key]:
         """Insert-if-absent a claim row for each of *ordered* (sorted by key); return the keys this call inserted."""
         c = claims_table
-        token = new_token()
         won: set[Key] = set()
         stmt: Any = self.insert(c).on_conflict_do_nothing(index_elements=list(CLAIM_KEY))
         if self.returning:
             stmt = stmt.returning(*KEY_COLUMNS)
-        claimed_at, node, term, status, reason = shared
+        claimed_at, node, term, status, reason, token = shared
         for chunk in chunks(ordered, self.batch):
             rows = [
                 {
@@ -325,7 +355,8 @@ class Dialect:
     # ---------------------------------------------------------------- checks and locks
 
     def lock_stale(self, query: sa.Select[Any]) -> sa.Select[Any]:
-        """*query* (take_over_stale's SELECT of stale rows) with the locking this server needs."""
+        """*query* (take_over_stale's SELECT of stale claim rows, joined to their nodes) with the
+        locking this server needs."""
         return query
 
     def check_name(self, name: str) -> None:

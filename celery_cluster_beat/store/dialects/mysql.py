@@ -63,10 +63,23 @@ class MySQLDialect(Dialect):
             "pool_recycle": 3600,  # below the usual wait_timeout
         }
 
-    def lock_timeout_sql(self, seconds: float) -> str:
-        return f"SET SESSION innodb_lock_wait_timeout = {max(1, int(round(seconds)))}"
+    def session_sql(self, lock_timeout: float) -> list[str]:
+        # Whole seconds, at least one: the server's granularity. (The MySQL family has no
+        # idle-in-transaction limit; a frozen session's locks go with its connection.)
+        return [f"SET SESSION innodb_lock_wait_timeout = {max(1, int(round(lock_timeout)))}"]
+
+    def db_now(self, conn: Connection) -> datetime:
+        return conn.exec_driver_sql("SELECT UTC_TIMESTAMP(6)").scalar_one().replace(tzinfo=UTC)
+
+    def statement_timeout_sql(self, seconds: float) -> str | None:
+        # MariaDB's per-session limit (seconds); MySQL's max_execution_time covers SELECTs only.
+        return f"SET SESSION max_statement_time = {seconds:g}" if self.mariadb else None
+
+    #: The server is MariaDB (it has max_statement_time).
+    mariadb = False
 
     def learn(self, dialect: sa.engine.Dialect) -> None:
+        self.mariadb = bool(getattr(dialect, "is_mariadb", False))
         # No UPDATE ... RETURNING in the MySQL family (nor INSERT ...
         # RETURNING in MySQL): affected-row counts and op_token tell which
         # rows a statement wrote instead.
@@ -90,7 +103,7 @@ class MySQLDialect(Dialect):
 
     def insert_claims(self, conn: Connection, ordered: Sequence[Occurrence], shared: ClaimValues) -> set[Key]:
         c = claims_table
-        token = new_token()
+        token = shared.token
         won: set[Key] = set()
         # The values shared by every row travel once, as session
         # variables, so each row binds only its own three: the driver

@@ -10,12 +10,14 @@ SKIP LOCKED), because PostgreSQL re-checks only part of a concurrent UPDATE.
 """
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
+from ...schedules.instants import UTC
 from ...schedules.occurrence import Occurrence
 from ..schema import CLAIM_KEY, UTCDateTime, claims_table, naive_utc
 from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, chunks, is_instant, new_token
@@ -36,6 +38,10 @@ def _unnest(table: sa.Table, cols: Sequence[str], rows: Sequence[Key]) -> Any:
         if isinstance(col_type, UTCDateTime):
             values = [None if v is None else naive_utc(v) for v in values]
             item_type = sa.DateTime()
+        elif isinstance(col_type, sa.Boolean):
+            item_type = sa.Boolean()
+        elif isinstance(col_type, sa.Float):
+            item_type = sa.Float()
         elif isinstance(col_type, sa.Integer):
             item_type = sa.BigInteger()
         elif isinstance(col_type, sa.Text):
@@ -48,8 +54,22 @@ def _unnest(table: sa.Table, cols: Sequence[str], rows: Sequence[Key]) -> Any:
 
 
 class PostgreSQLDialect(Dialect):
-    def lock_timeout_sql(self, seconds: float) -> str:
-        return f"SET lock_timeout = {int(seconds * 1000)}"
+    def session_sql(self, lock_timeout: float) -> list[str]:
+        ms = int(lock_timeout * 1000)
+        return [
+            f"SET lock_timeout = {ms}",
+            # A node frozen inside a transaction (SIGSTOP, a VM pause) would hold the leader
+            # row's lock: the server ends such a session, so its successor is not held up.
+            f"SET idle_in_transaction_session_timeout = {max(ms * 2, 1000)}",
+        ]
+
+    def db_now(self, conn: Connection) -> datetime:
+        # clock_timestamp(), not now(): the time of this read, not of the transaction's start.
+        value = conn.exec_driver_sql("SELECT timezone('UTC', clock_timestamp())").scalar_one()
+        return value.replace(tzinfo=UTC)
+
+    def statement_timeout_sql(self, seconds: float) -> str | None:
+        return f"SET LOCAL statement_timeout = {int(seconds * 1000)}"
 
     def insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table)
@@ -59,7 +79,7 @@ class PostgreSQLDialect(Dialect):
         # chunk instead of ten per row, which psycopg binds and the server
         # plans several times faster.
         c = claims_table
-        token = new_token()
+        token = shared.token
         won: set[Key] = set()
         for chunk in chunks(ordered, CHUNK):
             k = _unnest(c, (*CLAIM_KEY, "task_id"), [(o.schedule, o.at, o.task_id) for o in chunk])
@@ -131,4 +151,4 @@ class PostgreSQLDialect(Dialect):
         # those another sweeper holds) makes the adoption exact. MySQL's join
         # re-reads the locked row in full, and SQLite writers are serialized
         # already, so they need no lock here.
-        return query.with_for_update(skip_locked=True)
+        return query.with_for_update(skip_locked=True, of=claims_table)

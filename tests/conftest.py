@@ -65,3 +65,22 @@ def throwaway_redis(tmp_path):
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    """``make(app) -> Cluster`` (with a running Watcher); every process and watcher is stopped at the end."""
+    from cluster import Cluster, Watcher
+
+    made = []
+
+    def make(app):
+        watcher = Watcher(app).__enter__()
+        cluster = Cluster(app, tmp_path, watcher)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop_all()
+        cluster.watcher.__exit__(None, None, None)

@@ -644,7 +644,6 @@ class ClaimStore:
         unique = sorted(_unique(occurrences), key=claim_key)
         if not unique:
             return []
-        c = claims_table
 
         def work(conn: Connection) -> list[Any]:
             self._fence(conn, term)

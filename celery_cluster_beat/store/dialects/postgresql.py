@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 from ...schedules.instants import UTC
 from ...schedules.occurrence import Occurrence
 from ..schema import CLAIM_KEY, UTCDateTime, claims_table, naive_utc
-from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, chunks, is_instant, new_token
+from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, chunks, is_instant
 
 
 def _unnest(table: sa.Table, cols: Sequence[str], rows: Sequence[Key]) -> Any:

@@ -288,6 +288,12 @@ class OverlapGuard:
                 out.append((entry, occ))
         return out
 
+    def requeue(self, pairs: Sequence[Pair]) -> None:
+        """Put back buffered occurrences that :meth:`ready` handed out but could not be claimed
+        (the store failed): they wait for the next try, not lost."""
+        for entry, occ in pairs:
+            self._buffer.setdefault(entry.name, (entry, occ))
+
     def drop_buffered(self) -> None:
         """Forget buffered occurrences (this node stopped being the leader)."""
         self._buffer.clear()

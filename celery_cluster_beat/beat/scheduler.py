@@ -392,7 +392,11 @@ class Scheduler(beat.Scheduler):
         """Send buffered occurrences (overlap ``buffer_one``) whose previous run has finished."""
         ready = self._guard.ready(self._clock.now())
         if ready:
-            self._pipeline.claim_and_send(ready, self._clock.now(), guarded=False)
+            try:
+                self._pipeline.claim_and_send(ready, self._clock.now(), guarded=False)
+            except StoreUnavailable:
+                self._guard.requeue(ready)  # not claimed: they wait for the store, not dropped
+                raise
 
     def _prune(self) -> None:
         """Delete finished rows past their retention, in bounded batches for at most

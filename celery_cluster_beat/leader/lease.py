@@ -123,15 +123,21 @@ if ARGV[5] ~= '' then
     if cluster and cluster ~= ARGV[5] then
         return {-1, cluster}
     end
-    redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
 end
 local current = redis.call('get', KEYS[1])
 if current then
     if ours(current) then
         redis.call('pexpire', KEYS[1], ARGV[2])
+        if ARGV[5] ~= '' then
+            redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
+        end
         return {1, current}
     end
     return {0, current, redis.call('pttl', KEYS[1])}
+end
+-- Only a node that takes the lease names the cluster: a refused one must not.
+if ARGV[5] ~= '' then
+    redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
 end
 local floor = tonumber(ARGV[4]) or 0
 local counter = tonumber(redis.call('get', KEYS[2]) or '0') or 0
@@ -144,11 +150,16 @@ redis.call('set', KEYS[1], value, 'PX', ARGV[2])
 return {1, value}
 """
 
-# KEYS[1] lease key; ARGV[1] token, ARGV[2] ttl in ms. 1 if renewed, 0 if not ours.
+# KEYS[1] lease key, KEYS[2] cluster id key; ARGV[1] token, ARGV[2] ttl in ms,
+# ARGV[3] our cluster id ('' for none), ARGV[4] the cluster id key's ttl in ms.
+# 1 if renewed (and the cluster id kept alive with it), 0 if not ours.
 _RENEW = _OURS + """
 local current = redis.call('get', KEYS[1])
 if ours(current) then
     redis.call('pexpire', KEYS[1], ARGV[2])
+    if ARGV[3] ~= '' then
+        redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[4])
+    end
     return 1
 end
 return 0
@@ -487,7 +498,9 @@ class RedisLease:
                 client = self._get_client()
                 renew = self._get_scripts(client)[1]
                 sent = self._clock()
-                ok = renew(keys=[self.lease_key], args=[holding.token, self._ttl_ms], client=client)
+                ok = renew(keys=[self.lease_key, self.cluster_key],
+                           args=[holding.token, self._ttl_ms, self.cluster_id or "", int(CLUSTER_KEY_TTL * 1000)],
+                           client=client)
             except _REDIS_ERRORS as exc:
                 self._note_down(exc, "renew the lease")
                 now = self._clock()

@@ -239,6 +239,10 @@ def _add_column(table: sa.Table, name: str) -> Any:
     """A migration step adding *table*'s column *name* as the table defines it."""
 
     def step(conn: Any) -> None:
+        # Idempotent: MySQL/MariaDB commit DDL at once, so a node stopped between this
+        # step and the version stamp leaves the column behind for the next opener.
+        if name in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
+            return
         col = table.c[name]
         ddl = col.type.compile(dialect=conn.dialect)
         conn.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {name} {ddl} NULL")

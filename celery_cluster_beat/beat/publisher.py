@@ -42,6 +42,8 @@ class Publisher:
     def __init__(self, app, node_id: str) -> None:
         self.app = app
         self.node_id = node_id
+        #: (task, queue option) pairs whose queue was declared during the current publish() call.
+        self._declared: set = set()
 
     def warm_up(self) -> None:
         """Open the broker connection now, so the first burst does not pay for it."""
@@ -53,6 +55,14 @@ class Publisher:
 
     def _send_one(self, d: Dispatch, producer) -> None:
         options = dict(d.options)  # Celery's beat mutates entry.options['headers']; we never do
+        if "declare" not in options and "exchange" not in options and "routing_key" not in options:
+            # Celery re-checks the queue's declaration on every message; once per queue per
+            # burst is enough (the first message of each declares it as Celery would).
+            route = (d.task, str(options.get("queue")))
+            if route in self._declared:
+                options["declare"] = []
+            else:
+                self._declared.add(route)
         headers = dict(options.pop("headers", None) or {})
         headers.update(
             {
@@ -73,6 +83,7 @@ class Publisher:
     def publish(self, dispatches: Sequence[Dispatch]) -> List[Optional[BaseException]]:
         """Send all; the result lists, per dispatch, None (sent) or the error."""
         errors: List[Optional[BaseException]] = [None] * len(dispatches)
+        self._declared = set()
         sent = [False] * len(dispatches)
         if not dispatches:
             return errors

@@ -169,6 +169,10 @@ class Scheduler(beat.Scheduler):
                                           observed_term=recorded)
                     return
             last = self._store.last_occurrences()
+            new = [name for name, entry in self.entries.items() if entry.enabled and name not in last]
+            if new:  # first seen now: a later leader catches up from here, never from before
+                registered = self._store.register(new)
+                last.update((name, registered) for name in new)
             self._guard.load(self._store.schedule_states())  # inherit the previous leader's in-flight runs
         except StoreUnavailable as exc:
             logger.error("cluster-beat: cannot read the claim store (%s); retrying", exc)
@@ -182,9 +186,9 @@ class Scheduler(beat.Scheduler):
         for name, entry in self.entries.items():
             if not entry.enabled:
                 continue
-            prev = last.get(name)
-            # A schedule seen for the first time does not catch up to before it existed.
-            at = entry.schedule.next_fire(prev if prev is not None else now)
+            # Resume after the last recorded occurrence, or from when the schedule was first
+            # seen: it does not catch up to before it existed.
+            at = entry.schedule.next_fire(last.get(name, now))
             self._next_at[name] = at
             self._heap.append((at, name))
         heapq.heapify(self._heap)
@@ -341,7 +345,8 @@ class Scheduler(beat.Scheduler):
                     self._report(Outcome.MISSED, occ, "catchup")
             self._pipeline.claim_and_send(claim, now)
         except StoreUnavailable as exc:
-            logger.error("cluster-beat: the claim store failed (%s); %d occurrence(s) will be retried", exc, len(due))
+            logger.error("cluster-beat: the claim store failed (%s); %d due occurrence(s) wait for it, then "
+                         "go by the catch-up policy", exc, len(due))
             self._db_trouble()
             for entry, at, _ in due:  # put them back: the retry applies the catch-up policy
                 self._next_at[entry.name] = at

@@ -722,15 +722,35 @@ class ClaimStore:
 
     @_database_errors
     def last_occurrences(self) -> dict[str, datetime]:
-        """Latest claimed instant per schedule, where catch-up resumes after a restart."""
+        """Per schedule, where catch-up resumes: its latest recorded instant, or for a schedule
+        nothing was ever recorded of, the time a scheduling node first saw it (:meth:`register`)."""
         t = schedules_table
         rows = self._run(
             lambda conn: conn.execute(
-                sa.select(t.c.name, t.c.last_occurrence).where(t.c.last_occurrence.is_not(None))
+                sa.select(t.c.name, sa.func.coalesce(t.c.last_occurrence, t.c.registered_at))
+                .where(sa.or_(t.c.last_occurrence.is_not(None), t.c.registered_at.is_not(None)))
             ).all(),
             write=False,
         )
         return {name: at for name, at in rows}
+
+    @_database_errors
+    def register(self, names: Sequence[str]) -> datetime:
+        """Record that a scheduling node knows these schedules from now on (database clock);
+        names already known keep their record. Returns that time.
+
+        A schedule's first occurrence that falls due while no node schedules (a
+        failover) is then caught up from here instead of being skipped unseen.
+        """
+
+        def work(conn: Connection) -> datetime:
+            now = self._now(conn)
+            rows = [{"name": name, "registered_at": now, "updated_at": now} for name in sorted(set(names))]
+            for chunk in chunks(rows, self._dialect.batch):
+                self._dialect.insert_if_absent(conn, schedules_table, list(chunk), ["name"])
+            return now
+
+        return self._run(work)
 
     @_database_errors
     def schedule_states(self, names: Iterable[str] | None = None) -> list[ScheduleState]:

@@ -143,6 +143,9 @@ schedules_table = sa.Table(
     # only moves forward, so a late resend of an older occurrence cannot replace it.
     sa.Column("last_sent_occurrence", UTCDateTime(), nullable=True),
     sa.Column("last_error", sa.Text(), nullable=True),
+    # When a scheduling node first saw the schedule (database clock): a first occurrence
+    # that falls due before any node claimed one is caught up from here, not lost.
+    sa.Column("registered_at", UTCDateTime(), nullable=True),
     sa.Column("last_error_at", UTCDateTime(), nullable=True),
     *[sa.Column(c, sa.BigInteger(), nullable=False, server_default="0") for c in _COUNTERS],
     sa.Column("updated_at", UTCDateTime(), nullable=False),
@@ -222,6 +225,7 @@ class ScheduleState:
     resent: int
     updated_at: datetime
     last_sent_occurrence: datetime | None = None
+    registered_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -253,5 +257,5 @@ def _add_column(table: sa.Table, name: str) -> Any:
 #: version -> the steps that bring a store of that version to the next one. New tables
 #: are created by ``create_all``; only changes to existing tables are listed here.
 MIGRATIONS = {
-    1: [_add_column(schedules_table, "last_sent_occurrence")],
+    1: [_add_column(schedules_table, "last_sent_occurrence"), _add_column(schedules_table, "registered_at")],
 }

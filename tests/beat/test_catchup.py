@@ -253,6 +253,31 @@ def test_a_schedule_seen_for_the_first_time_does_not_catch_up_to_before_it_exist
     assert all(status == "sent" for _, status in s.rows("new_every_second"))
 
 
+def test_a_first_occurrence_that_fell_due_in_a_failover_gap_is_caught_up_not_lost(scene):
+    """A schedule a previous leader first saw (and registered) before it died, whose first
+    occurrence fell due while no node scheduled: the next leader catches up from when the
+    schedule was first seen, by its policy, instead of starting from "now" and losing it
+    unseen (no claim row, no message: what the chaos soak found for a new hourly job)."""
+    import sqlalchemy as sa
+
+    from celery_cluster_beat.store.schema import schedules_table
+
+    s = scene({"report": minutely()})  # catch-up 'latest'
+    last_fire = quiet_minute()
+    first_seen = last_fire - MINUTE - timedelta(seconds=30)
+    s.store.register(["report"])
+    engine = sa.create_engine(s.db_url)
+    try:
+        with engine.begin() as conn:  # registered 1.5 minutes ago, by the leader that then died
+            conn.execute(sa.update(schedules_table).where(schedules_table.c.name == "report")
+                         .values(registered_at=first_seen))
+    finally:
+        engine.dispose()
+    s.start_beat()
+    assert s.sent("report") == [last_fire]
+    assert s.rows("report") == [(last_fire - MINUTE, "missed"), (last_fire, "sent")]
+
+
 def test_after_catching_up_the_next_beat_start_does_not_send_them_again(scene):
     """Catch-up is recorded: a second beat starting right after finds nothing to catch up."""
     s = scene({"report": minutely()}, cluster_beat_catchup="all")

@@ -17,8 +17,10 @@ kill and restart them and never touches the machine's services):
 Then three ``celery -A <app> beat -S celery_cluster_beat.Scheduler -l info``
 replicas (node ids r0, r1, r2; a restarted one becomes r1-1, r1-2, ...), all at the
 package defaults (lease ttl 5 s, claim grace 10 s, catch-up ``latest``), schedule
-3 x ``every(1)``, 500 x ``cron("* * * * *")`` and 4 hourly ``cron("M * * * *")``
-(M chosen so that up to 3 of them fall inside the run). Every 15-30 s (``--quick``:
+3 x ``every(1)``, 500 x ``cron("* * * * *")`` and 4-8 hourly ``cron("M * * * *")``
+(M chosen so that up to 8 of them fall inside the run, spread evenly; an hourly
+entry has no claim history before its first occurrence, which a leaderless gap
+may hit). Every 15-30 s (``--quick``:
 10-20 s), one at a time, a fault drawn at random (seeded; all six kinds before any
 repeats): SIGKILL a replica and restart it 2-5 s later; SIGSTOP one for 8-15 s
 (longer than the lease ttl) then SIGCONT; SIGTERM one and restart it; restart the
@@ -40,11 +42,18 @@ duplicates with different ids and losses; the exit status is 0 regardless (it
 is a measuring tool). ``--keep-logs`` copies the beat, PostgreSQL and Redis logs
 to ``./bench-logs/chaos-soak-<time>/``.
 
-The lease key is derived from the claim database URL, so the three replicas must
-use the *same* URL string although each reaches PostgreSQL through its own proxy:
-the URL is ``postgresql+psycopg://postgres@/soak`` (no host, no port) and each
-replica gets ``PGHOST=127.0.0.1 PGPORT=<its proxy>`` in its environment (libpq
-reads them).
+The replicas run a copy of ``celery_cluster_beat/`` taken at the start (the header
+gives the git commit and whether the package's files differ from it), so edits made
+to the working tree during a run never reach a restarted replica. A replica that
+exits without being asked to is counted as a crash and restarted (after 1 s,
+doubling up to 30 s while it keeps crashing).
+
+The replicas share one claim database URL string although each reaches PostgreSQL
+through its own proxy: the URL is ``postgresql+psycopg://postgres@/soak`` (no host,
+no port) and each replica gets ``PGHOST=127.0.0.1 PGPORT=<its proxy>`` in its
+environment (libpq reads them). Versions that named the lease after a hash of the
+URL would otherwise have given each replica a lease of its own; the summary lists
+the lease names found in the lease Redis at the end (one expected).
 """
 from __future__ import annotations
 
@@ -84,6 +93,8 @@ from celery_cluster_beat import cron, every  # noqa: E402
 WARMUP = 20.0  # seconds after the replicas start before the measured window opens
 SETTLE = 30.0  # seconds after the last fault: claim grace (10 s) + a stale-claim sweep, with margin
 CUT_SECONDS = 30.0
+HOURLY_INSIDE = 8  # hourly entries whose minute falls inside the run, at most
+HOURLY_MIN = 4  # hourly entries in all, at least
 LEADER_BIAS = 0.6  # probability that a replica fault targets the current leader
 MIN_GAP = 3.0  # seconds between the end of a fault and the start of the next one, at least
 REPLICAS = ("r0", "r1", "r2")
@@ -139,16 +150,18 @@ class EntrySpec:
 def build_entries(planned_start: float, planned_end: float, rng: random.Random) -> List[EntrySpec]:
     specs = [EntrySpec(f"sec{i}", "every(1)", "every", 1) for i in range(3)]
     specs += [EntrySpec(f"min{i:03d}", "cron * * * * *", "cron", "* * * * *") for i in range(500)]
-    # Hourly: up to three at minute boundaries inside the planned window, the rest anywhere.
+    # Hourly: up to HOURLY_INSIDE at minute boundaries spread over the planned window (each one's
+    # first occurrence ever, so a failover gap hitting it tests the "no claim history yet" path),
+    # then random minutes up to HOURLY_MIN entries.
     first = math.floor(planned_start / 60) + 1
     inside = [(m * 60) for m in range(first, math.floor(planned_end / 60) + 1)]
     picks: List[int] = []
-    if inside:
-        for frac in (0.25, 0.5, 0.75):
-            minute = utc(inside[min(len(inside) - 1, int(len(inside) * frac))]).minute
-            if minute not in picks:
-                picks.append(minute)
-    while len(picks) < 4:
+    count = min(len(inside), HOURLY_INSIDE)
+    for i in range(count):
+        minute = utc(inside[(2 * i + 1) * len(inside) // (2 * count)]).minute
+        if minute not in picks:
+            picks.append(minute)
+    while len(picks) < HOURLY_MIN:
         minute = rng.randrange(60)
         if minute not in picks:
             picks.append(minute)
@@ -505,6 +518,9 @@ class Replica:
         self.expect_down = False
         self.history: List[str] = []  # node ids of every incarnation
         self.exits: List[Tuple[str, Optional[int], str]] = []  # (node, rc, cause)
+        self.restart_at: Optional[float] = None  # monotonic time of a pending restart after a crash
+        self.backoff = 1.0  # seconds before restarting a crashed replica (doubles up to 30 s)
+        self.started = 0.0
 
     @property
     def node(self) -> str:
@@ -516,6 +532,8 @@ class Replica:
         self.proc = procs.start_beat(self.app, self.logdir, self.node, env=env)
         self.history.append(self.node)
         self.expect_down = False
+        self.restart_at = None
+        self.started = time.monotonic()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -540,6 +558,15 @@ class Replica:
 
 
 @dataclass
+class Crash:
+    offset: float
+    node: str
+    rc: Optional[int]
+    line: str  # the last CRITICAL line of its log, else the last line
+    tail: str
+
+
+@dataclass
 class Fault:
     n: int
     kind: str
@@ -556,7 +583,7 @@ class Soak:
         self.stack = stack
         self.rng = random.Random(args.seed)
         self.faults: List[Fault] = []
-        self.crashes: List[str] = []
+        self.crashes: List[Crash] = []
         self.replicas: Dict[str, Replica] = {}
         self.t0 = 0.0
         self.bag: List[str] = []
@@ -593,6 +620,10 @@ class Soak:
         self.specs = build_entries(planned_start + WARMUP, self.planned_end, self.rng)
         appdir = tmp / "app"
         appdir.mkdir()
+        # Every incarnation runs the package as it was at the start, even if the working tree changes
+        # during the run: the app folder comes first on the replicas' PYTHONPATH (tests/procs.py).
+        shutil.copytree(REPO / "celery_cluster_beat", appdir / "celery_cluster_beat",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         self.app = procs.write_app(
             appdir, broker=self.broker.url, db_url=DB_URL, redis_url=self.lease_redis.url,
             schedule=schedule_source(self.specs),
@@ -625,16 +656,28 @@ class Soak:
         return f"+{(ts if ts is not None else time.time()) - self.t0:6.1f}s"
 
     def check_replicas(self) -> None:
-        """A replica that exited without a fault asking for it is a crash: record it, restart it."""
+        """A replica that exited without a fault asking for it is a crash: record it, restart it
+        after a back-off (1 s, doubling up to 30 s while it keeps crashing within a minute)."""
+        now = time.monotonic()
         for r in self.replicas.values():
+            if r.restart_at is not None:
+                if now >= r.restart_at:
+                    r.start()
+                    log(f"{self.offset()} restarted as {r.node}")
+                continue
             if r.proc is not None and not r.expect_down and not r.alive():
                 rc = r.proc.popen.returncode
-                msg = f"{self.offset()} UNEXPECTED EXIT of {r.node} (rc {rc}); log tail:\n{common.tail(r.proc.log(), 15)}"
-                log(msg)
-                self.crashes.append(msg)
+                text = r.proc.log()
+                crit = [ln for ln in text.splitlines() if "CRITICAL/" in ln]
+                last = (crit or [ln for ln in text.splitlines() if ln.strip()] or ["(empty log)"])[-1]
+                self.crashes.append(Crash(time.time() - self.t0, r.node, rc, last.strip(), common.tail(text, 15)))
+                if now - r.started > 60:
+                    r.backoff = 1.0
+                log(f"{self.offset()} UNEXPECTED EXIT of {r.node} (rc {rc}): {last.strip()[:200]}; "
+                    f"restart in {r.backoff:g} s")
                 r.reap("crash")
-                r.start()
-                log(f"{self.offset()} restarted as {r.node}")
+                r.restart_at = now + r.backoff
+                r.backoff = min(30.0, r.backoff * 2)
 
     def pause(self, seconds: float) -> None:
         end = time.monotonic() + max(0.0, seconds)
@@ -661,10 +704,11 @@ class Soak:
 
     def pick_replica(self) -> Tuple[Replica, str]:
         leader = self.leader()
-        by_node = {r.node: r for r in self.replicas.values()}
+        up = [r for r in self.replicas.values() if r.restart_at is None] or list(self.replicas.values())
+        by_node = {r.node: r for r in up}
         if leader in by_node and self.rng.random() < LEADER_BIAS:
             return by_node[leader], "leader"
-        r = self.replicas[self.rng.choice(REPLICAS)]
+        r = self.rng.choice(up)
         return r, ("leader" if r.node == leader else "standby")
 
     def next_kind(self) -> str:
@@ -734,7 +778,8 @@ class Soak:
             n = r.proxy.cut(CUT_SECONDS, mode)
             self.pause(CUT_SECONDS)
             fault.target = f"{fault.target} link"
-            fault.detail = f"{mode}: {n} open connection(s) reset, new ones {('reset' if mode == 'reset' else 'held')} for {CUT_SECONDS:g} s"
+            fate = "reset" if mode == "reset" else "held"
+            fault.detail = f"{mode}: {n} open connection(s) reset, new ones {fate} for {CUT_SECONDS:g} s"
 
     def run_faults(self) -> None:
         lo, hi = self.args.interval
@@ -794,6 +839,22 @@ def pct(values: List[float], p: float) -> Optional[float]:
     return s[k]
 
 
+def table(headers, rows, left=(0,)) -> str:
+    """common.table, with a choice of left-aligned (text) columns."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(r):
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
+
+
+def fault_near(faults: List[Fault], ts: float) -> List[Fault]:
+    """The faults in progress at *ts* (from 1 s before a fault starts to 10 s after it ends)."""
+    return [f for f in faults if f.start - 1 <= ts <= f.end + 10]
+
+
 def sec(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -810,7 +871,7 @@ def scan_logs(logdir: Path) -> Tuple[Dict[str, Counter], Counter]:
                     c[level] += 1
                     if level != "WARNING":
                         text = line.split("] ", 1)[-1]
-                        messages[f"{level}: {text[:150]}"] += 1
+                        messages[f"{level}: {text[:220]}"] += 1
                     break
             if line.startswith("Traceback"):
                 c["Traceback"] += 1
@@ -826,6 +887,15 @@ def normalise(msg: str) -> str:
     msg = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "<uuid>", msg)
     msg = re.sub(r"\b\d+(\.\d+)?\b", "N", msg)
     return msg
+
+
+def lease_names(soak: Soak) -> List[str]:
+    """The ``{name}`` parts of the cluster_beat:* keys in the lease Redis (one cluster: one name)."""
+    try:
+        keys = [k.decode() for k in soak.lease_client.scan_iter(match="cluster_beat:*", count=1000)]
+    except redis.RedisError as exc:
+        return [f"(lease Redis unreadable: {exc})"]
+    return sorted({k.split("{", 1)[1].rsplit("}", 1)[0] for k in keys if "{" in k and "}" in k})
 
 
 def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float) -> None:
@@ -871,6 +941,7 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
     late: Dict[str, List[float]] = {g: [] for g in groups + ["total"]}
     lost_list: List[Tuple[str, datetime, str]] = []
     missed_reasons: Counter = Counter()
+    missed_by_fault: Counter = Counter()
     inconsistent: Counter = Counter()
     latest: List[Tuple[float, str, datetime, str]] = []
     first_sender: Counter = Counter()
@@ -900,6 +971,8 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
                 stats[g][status] += 1
             if status == "missed":
                 missed_reasons[claim[1] or "(no reason)"] += 1
+                near = fault_near(soak.faults, key[1].timestamp())
+                missed_by_fault[near[0].kind if near else "no fault in progress"] += 1
         else:
             for g in rows:
                 stats[g]["lost"] += 1
@@ -919,14 +992,14 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
           f"total run {time.time() - wall_started:.0f} s")
     print()
     print(f"Faults injected: {len(soak.faults)}")
-    rows = [(k, FAULTS[k], fault_counts.get(k, 0), leader_hits.get(k, 0) if k in ("sigkill", "sigstop", "sigterm", "db-cut")
-             else "-") for k in FAULTS]
-    print(common.table(["kind", "what", "count", "on the leader"], rows))
+    on_replica = ("sigkill", "sigstop", "sigterm", "db-cut")
+    rows = [(k, FAULTS[k], fault_counts.get(k, 0), leader_hits.get(k, 0) if k in on_replica else "-") for k in FAULTS]
+    print(table(["kind", "what", "count", "on the leader"], rows, left=(0, 1)))
     print()
     print("Fault timeline (offsets from the replicas' start):")
-    print(common.table(["#", "start", "end", "kind", "target", "detail"],
-                       [(f.n, f"+{f.start - t0:.1f}", f"+{f.end - t0:.1f}", f.kind, f.target, f.detail)
-                        for f in soak.faults]))
+    print(table(["#", "start", "end", "kind", "target", "detail"],
+                [(f.n, f"+{f.start - t0:.1f}", f"+{f.end - t0:.1f}", f.kind, f.target, f.detail)
+                 for f in soak.faults], left=(3, 4, 5)))
     print()
     print("Occurrences in the window (due = fires_between of each entry; lateness = first receive - nominal, s):")
     headers = ["group", "entries", "due", "published", "missed", "skipped", "failed", "LOST",
@@ -938,7 +1011,7 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
                       st["published"], st["missed"], st["skipped"], st["failed"], st["lost"],
                       st["same-id resends"], st["different-id dups"], sec(pct(late[g], 50)), sec(pct(late[g], 99)),
                       sec(max(late[g]) if late[g] else None)))
-    print(common.table(headers, trows))
+    print(table(headers, trows))
     if stats["hourly M * * * *"]["due"] == 0:
         print("note: no hourly occurrence fell inside the window")
     print()
@@ -946,7 +1019,8 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
           f"occurrences published in total (in and out of the window): {len(by_occ)}; "
           f"in-window messages for instants no entry has: {unexpected}")
     if missed_reasons:
-        print("recorded missed, by reason: " + "; ".join(f"{r!r}: {n}" for r, n in missed_reasons.most_common()))
+        print("recorded missed, by reason: " + "; ".join(f"{r!r}: {n}" for r, n in missed_reasons.most_common())
+              + "; by fault in progress: " + ", ".join(f"{k} {n}" for k, n in missed_by_fault.most_common()))
     if inconsistent:
         print("claim rows disagreeing with the broker: " + "; ".join(f"{k}: {n}" for k, n in inconsistent.items()))
     if claim_error:
@@ -960,22 +1034,24 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
         print("latest occurrences (lateness s, schedule, nominal, first sender; fault in progress):")
         for lateness, name, at, node in sorted(latest, reverse=True)[:6]:
             ts = at.timestamp()
-            near = [f for f in soak.faults if f.start - 1 <= ts <= f.end + 10]
-            nf = ", ".join(f"#{f.n} {f.kind} {f.target}" for f in near) or "none"
+            nf = ", ".join(f"#{f.n} {f.kind} {f.target}" for f in fault_near(soak.faults, ts)) or "none"
             print(f"  {lateness:7.2f}  {name:8} {at:%H:%M:%S}Z  {node:6}  {nf}")
     if lost_list:
         print(f"LOST occurrences ({len(lost_list)}), first 15:")
         for name, at, why in sorted(lost_list, key=lambda x: x[1])[:15]:
             ts = at.timestamp()
-            near = [f for f in soak.faults if f.start - 1 <= ts <= f.end + 10]
-            nf = ", ".join(f"#{f.n} {f.kind} {f.target}" for f in near) or "no fault in progress"
+            nf = ", ".join(f"#{f.n} {f.kind} {f.target}" for f in fault_near(soak.faults, ts)) or "no fault in progress"
             print(f"  {name:8} {at:%H:%M:%S}Z  {why}; {nf}")
     print()
     print("Replicas: incarnations " + "; ".join(f"{r.name}: {', '.join(r.history)}" for r in soak.replicas.values()))
     print("final SIGTERM exit codes: " + ", ".join(f"{n} {rc}" for n, rc in sorted(final_rcs.items())))
     print(f"unexpected exits (crashes): {len(soak.crashes)}")
+    shown = set()
     for c in soak.crashes:
-        print("  " + c.replace("\n", "\n    "))
+        print(f"  +{c.offset:.1f}s {c.node} rc {c.rc}: {c.line[:240]}")
+        if c.line not in shown:  # the log tail once per distinct cause
+            shown.add(c.line)
+            print("    " + c.tail.replace("\n", "\n    "))
     per_file, messages = scan_logs(soak.logdir)
     print("beat logs, lines per level: " + "; ".join(
         f"{n} E{c['ERROR']}/C{c['CRITICAL']}/W{c['WARNING']}/TB{c['Traceback']}" for n, c in per_file.items()))
@@ -989,7 +1065,8 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
     proxy_stats = "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in sorted(p.stats.items()))
                             for n, p in soak.proxies.items())
     print(f"DB link proxies: {proxy_stats}")
-    print(f"drain errors: {soak.drain.errors}; PostgreSQL restarts: {soak.pg.restarts}")
+    print(f"drain errors: {soak.drain.errors}; PostgreSQL restarts: {soak.pg.restarts}; "
+          f"lease names in the lease Redis at the end: {lease_names(soak) or 'none'}")
     print()
     total = stats["total"]
     fails = []
@@ -1007,6 +1084,20 @@ def report(soak: Soak, final_rcs: Dict[str, Optional[int]], wall_started: float)
 
 
 # --------------------------------------------------------------------------- main
+def package_version() -> str:
+    """git commit of the working tree and how many files differ from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = [ln for ln in git("status", "--porcelain", "--", "celery_cluster_beat").splitlines() if ln.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return "celery_cluster_beat (git unavailable)"
+    state = f"{len(dirty)} file(s) of celery_cluster_beat/ modified or new" if dirty else "clean"
+    return f"git {sha or '?'}, {state}"
+
+
 def keep_logs(soak: Soak, tmp: Path) -> None:
     dest = Path.cwd() / "bench-logs" / f"chaos-soak-{time.strftime('%Y%m%d-%H%M%S')}"
     dest.mkdir(parents=True, exist_ok=True)
@@ -1045,13 +1136,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         "services: own PostgreSQL (claims, via a cuttable proxy per replica), own lease Redis, own broker Redis "
         "(never restarted), all on free 127.0.0.1 ports",
         "beat    : celery_cluster_beat.Scheduler at its defaults (lease ttl 5 s, claim grace 10 s, catch-up latest)",
-        "entries : 3 x every(1), 500 x cron('* * * * *'), 4 x cron('M * * * *')",
+        f"entries : 3 x every(1), 500 x cron('* * * * *'), {HOURLY_MIN}-{HOURLY_INSIDE} x cron('M * * * *') "
+        f"(minutes inside the run)",
+        f"package : {package_version()}; the replicas run a copy taken at the start",
     ])
 
     def on_alarm(signum, frame):
         raise TimeoutError(f"run time limit of {limit:.0f} s reached")
 
     common.install_signal_handlers()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (a `&` job)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(int(limit))
     wall_started = time.time()
@@ -1068,10 +1162,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.keep_logs:
                 keep_logs(soak, tmp)
     except (KeyboardInterrupt, TimeoutError) as exc:
-        log(f"interrupted ({exc or 'Ctrl-C'}); cleaning up")
+        log(f"interrupted ({str(exc) or 'Ctrl-C'}); cleaning up")
         if soak is not None and args.keep_logs:
             keep_logs(soak, tmp)
         return 0
+    except Exception:
+        if soak is not None and args.keep_logs:
+            keep_logs(soak, tmp)
+        raise
     finally:
         signal.alarm(0)
         shutil.rmtree(tmp, ignore_errors=True)

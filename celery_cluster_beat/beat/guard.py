@@ -148,9 +148,13 @@ class ResultBackendStates:
 
 class OverlapGuard:
     def __init__(self, app, settings: Settings, refresh: Optional[Callable[[List[str]], Iterable]] = None,
-                 states: Optional[StateReader] = None) -> None:
+                 states: Optional[StateReader] = None, now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 ) -> None:
         self.app = app
         self.settings = settings
+        #: The scheduler's clock (the database's, corrected for this host's offset): a run's age
+        #: is compared with times from the store, so it must be measured on the same clock.
+        self.now = now
         #: Where task states come from; the result backend unless a test or another source says otherwise.
         self.states: StateReader = states if states is not None else ResultBackendStates(app)
         #: Without a lease every replica may send any fire, so before deciding, the guard re-reads
@@ -196,7 +200,7 @@ class OverlapGuard:
     def sent(self, entry: Entry, occ: Occurrence) -> None:
         """A run of *occ* went out. A resend of an older occurrence does not become the last run:
         the guard keeps watching the newest one."""
-        now = datetime.now(timezone.utc)
+        now = self.now()
         current = self._last.get(entry.name)
         if current is None or current.task_id == occ.task_id or current.older_than(occ.at, now):
             self._last[entry.name] = _LastRun(occ.task_id, now, occ.at)

@@ -108,7 +108,7 @@ class Scheduler(beat.Scheduler):
         self._clock.measure(self._store.db_now)
         self._store.heartbeat(scheduling=False, clock_offset=self._clock.offset, register=True)
         self._next_housekeeping = time.monotonic() + self._housekeeping_interval()
-        self._guard = OverlapGuard(self.app, s)
+        self._guard = OverlapGuard(self.app, s, now=self._clock.now)
         self._guard.warn_about_configuration(self.entries.values())
         self._pipeline = SendPipeline(
             store=self._store, publisher=Publisher(self.app, s.node_id), guard=self._guard, settings=s,
@@ -263,12 +263,13 @@ class Scheduler(beat.Scheduler):
         store_ok = time.monotonic() >= self._db_backoff_until
         if store_ok and self._heap and self._heap[0][0] <= self._clock.now():
             self._run_due()
+        store_ok = time.monotonic() >= self._db_backoff_until  # again: the due pass may have failed
         retry_in = self._pipeline.next_retry_in()
-        if retry_in is not None and retry_in <= 0:
+        if store_ok and retry_in is not None and retry_in <= 0:
             self._guarded_store_call(self._pipeline.run_retries, "retrying sends")
         if store_ok and self._guard.has_buffered():
             self._guarded_store_call(self._run_buffered, "sending buffered runs")
-        if time.monotonic() >= self._next_prune:
+        if store_ok and time.monotonic() >= self._next_prune:
             self._prune()
         return self._sleep_time()
 
@@ -415,6 +416,7 @@ class Scheduler(beat.Scheduler):
                                              time_budget=PRUNE_BUDGET)
         except StoreUnavailable as exc:
             logger.error("cluster-beat: pruning old claims failed: %s", exc)
+            self._db_trouble()
             return
         if not done:
             self._next_prune = time.monotonic() + 1.0

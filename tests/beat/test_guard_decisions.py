@@ -144,3 +144,20 @@ def test_a_buffered_occurrence_goes_once_its_predecessor_finishes():
     states.states[running] = "SUCCESS"
     assert guard.ready(NOW) == [(e, occ)]
     assert not guard.has_buffered() and guard.next_check_in() is None
+
+
+def test_a_run_is_aged_on_the_schedulers_clock_not_the_hosts():
+    """The guard stamps a send with the scheduler's (database-corrected) clock, the one its
+    decisions and the store's times use: on a host whose own clock is off, a run's age would
+    otherwise be off by the skew (a guard blocking 30 s too long, or never)."""
+    past = datetime(2020, 1, 1, tzinfo=UTC)  # the cluster's clock, far from this host's
+    tid = str(uuid.uuid4())
+    app = Celery("guard-clock")
+    app.conf.update(cluster_beat_overlap="skip", cluster_beat_max_run_time=600)
+    guard = OverlapGuard(app, load_settings(app.conf, has_result_backend=lambda: True),
+                         states=States({tid: "STARTED"}), now=lambda: past)
+    e = entry("clocked")
+    guard.sent(e, Occurrence(e.name, past, task_id=tid))
+    later = past + timedelta(seconds=700)
+    d = guard.filter([(e, Occurrence(e.name, later))], later)
+    assert len(d.send) == 1, "700 s after the send on the cluster's clock: past max_run_time, the watchdog frees it"

@@ -153,9 +153,11 @@ class SendPipeline:
         resume = self._claim_token is not None
         token = self._claim_token = self._claim_token or uuid.uuid4().hex
         faults.hit("before-claim")
+        # Read before the call: a pause after the commit but before the reply must count
+        # against the confirmation, or the first chunk could go out after a takeover.
+        confirmed_at = time.monotonic()
         won = self.store.claim([occ for _, occ in claim], term=self._term(), token=token, resume=resume)
         self._claim_token = None
-        confirmed_at = time.monotonic()
         won_set = set(won)
         entry_of = {occ: entry for entry, occ in claim}
         for _, occ in claim:
@@ -214,8 +216,8 @@ class SendPipeline:
         may no longer send at all."""
         while True:
             if confirmed_at is None:
+                confirmed_at = time.monotonic()  # before the call: see claim_and_send
                 mine = set(self.store.confirm([p.occ for p in part], term=self._term()))
-                confirmed_at = time.monotonic()
                 for p in part:
                     if p.occ not in mine:
                         self.report(Outcome.CLAIM_LOST, p.occ, "taken over by another node")
@@ -296,8 +298,8 @@ class SendPipeline:
                 return
         deadline = time.monotonic() + SWEEP_BUDGET
         while time.monotonic() < deadline and self._still_leader():
+            confirmed_at = time.monotonic()  # before the call: see claim_and_send
             rows = self.store.take_over_stale(self.settings.claim_grace, term=self._term(), limit=SWEEP_CHUNK)
-            confirmed_at = time.monotonic()
             retrying = {p.occ for _, _, p in self._retries}
             items = []
             for occ in rows:

@@ -173,8 +173,9 @@ class SendPipeline:
     def send(self, items: Sequence[Pending], *, confirmed_at: Optional[float] = None) -> None:
         """Publish claimed occurrences chunk by chunk, each confirmed as ours just before.
 
-        *confirmed_at* (monotonic) says the rows were claimed or confirmed then, so the first
-        chunk skips its confirmation while that is recent.
+        *confirmed_at* (monotonic, read before the claim or takeover statement) says every row
+        was ours then. A row cannot be taken over before it is ``claim_grace`` old, so while
+        less than ``recheck_after`` has passed since, a chunk needs no confirmation of its own.
         """
         log_each = len(items) < LOG_EACH_UNDER
         sent = failed = 0
@@ -182,7 +183,7 @@ class SendPipeline:
             if not self._still_leader():
                 logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
                 return
-            part = self._confirmed(list(items[start:start + PUBLISH_CHUNK]), confirmed_at if not start else None)
+            part = self._confirmed(list(items[start:start + PUBLISH_CHUNK]), confirmed_at, first=not start)
             if part is None:
                 logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
                 return
@@ -211,9 +212,15 @@ class SendPipeline:
             logger.info("cluster-beat: %s %d occurrence(s) (%d failed)",
                         "resent" if items[0].resent else "sent", sent, failed)
 
-    def _confirmed(self, part: List[Pending], confirmed_at: Optional[float]) -> Optional[List[Pending]]:
+    def _confirmed(self, part: List[Pending], confirmed_at: Optional[float], *,
+                   first: bool = False) -> Optional[List[Pending]]:
         """The rows of *part* still ours, confirmed within ``recheck_after``; None when this node
         may no longer send at all."""
+        if confirmed_at is not None and time.monotonic() - confirmed_at > self.recheck_after:
+            if first:  # nothing was published since the claim: the process was held up in between
+                logger.warning("cluster-beat: %.1f s passed between claiming and publishing %d occurrence(s); "
+                               "confirming them first", time.monotonic() - confirmed_at, len(part))
+            confirmed_at = None  # too long ago for this chunk: confirm it now
         while True:
             if confirmed_at is None:
                 confirmed_at = time.monotonic()  # before the call: see claim_and_send

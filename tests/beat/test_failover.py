@@ -19,8 +19,10 @@ claim store sends nothing and steps down.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import signal
+import statistics
 import subprocess
 import time
 import uuid
@@ -42,6 +44,26 @@ DEFAULT_TTL = 5.0
 from cluster import Cluster, Seen, Watcher, claim_rows, duplicates, node_pid, timeline  # noqa: E402,F401
 
 
+def _sleep_to_half_second() -> None:
+    """Sleep until the next x.5 s of the wall clock: every replica sleeps then (sends happen at x.0)."""
+    time.sleep((0.5 - time.time() % 1.0) % 1.0 or 1.0)
+
+
+def _second(t: float) -> datetime:
+    """The whole UTC second at or before epoch time *t*."""
+    return datetime.fromtimestamp(math.floor(t), UTC)
+
+
+_LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): [^\]]*\] (.*)$")
+
+
+def _log_time(log: str, text: str) -> datetime:
+    """The (local, naive) time of the last line of a beat log that contains *text*."""
+    found = [m.group(1) for m in map(_LOG_LINE.match, log.splitlines()) if m and text in m.group(2)]
+    assert found, f"no {text!r} in the log:\n{log[-3000:]}"
+    return datetime.strptime(found[-1], "%Y-%m-%d %H:%M:%S,%f")
+
+
 # ----------------------------------------------------------------------------- SIGKILL / SIGTERM
 
 
@@ -55,6 +77,9 @@ def test_sigkill_of_the_leader_a_standby_sends_within_ttl_plus_one_second_nothin
     old = cluster.steady_leader()
     old_proc = cluster.proc(old)
 
+    # Half-way between two seconds, while every replica sleeps: the dead leader has sent the
+    # occurrence of the kill's second, and has nothing in flight.
+    _sleep_to_half_second()
     killed_at = time.time()
     old_proc.signal(signal.SIGKILL)
     first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, ttl + 20,
@@ -70,17 +95,24 @@ def test_sigkill_of_the_leader_a_standby_sends_within_ttl_plus_one_second_nothin
     assert first_new.at == min(m.at for m in new_msgs)
     assert all(m.at > last_old.at for m in new_msgs), timeline(msgs)
 
-    # In the headers: the first occurrence the new leader sends is at most ttl + 1 s after
-    # the last one the dead leader sent (at defaults: 6 s).
-    header_gap = (first_new.at - last_old.at).total_seconds()
-    # As observed on the broker: from the dead leader's last message, and from the kill itself.
-    seen_gap = first_new.seen - last_old.seen
+    # From the kill: the dead leader renewed its lease at the latest when it was killed, so its
+    # key is gone ttl later at the latest and a standby sends at once then (at defaults: 5 s);
+    # the 1 s is room for the new leader's first claim and send. A standby that missed the
+    # expiry would wait for its next poll, one that ignored it for good would never send.
     since_kill = first_new.seen - killed_at
+    # In the headers: the first occurrence the new leader sends is at most ttl + 1 s after the
+    # last one the dead leader sent, the occurrence of the kill's second (at defaults: 6 s).
+    header_gap = (first_new.at - last_old.at).total_seconds()
+    # As observed on the broker: from the dead leader's last message, which it sent half a
+    # second before the kill.
+    seen_gap = first_new.seen - last_old.seen
     print(f"SIGKILL: header gap {header_gap:.0f}s, observed gap {seen_gap:.2f}s, first send {since_kill:.2f}s "
           f"after the kill")
-    assert header_gap <= ttl + 1, timeline(msgs)
-    assert seen_gap <= ttl + 1, timeline(msgs)
     assert since_kill <= ttl + 1, timeline(msgs)
+    assert last_old.at == _second(killed_at), "set-up: the leader had not sent its occurrence half a second in\n" + \
+        timeline(msgs)
+    assert header_gap <= ttl + 1, timeline(msgs)
+    assert seen_gap <= ttl + 1.5, timeline(msgs)
 
     # What fell into the gap is not silently dropped: with catch-up 'latest' every occurrence
     # between the two leaders' sends is recorded as missed in the claim store.
@@ -114,11 +146,20 @@ def test_sigterm_of_the_leader_hands_over_within_a_second_without_duplicate_or_g
     last_old = max((m for m in msgs if m.node == old), key=lambda m: m.at)
     header_gap = (first_new.at - last_old.at).total_seconds()
     since_term = first_new.seen - termed_at
-    print(f"SIGTERM: header gap {header_gap:.0f}s, first send by a standby {since_term:.2f}s after SIGTERM")
-    # The release notice wakes a standby at once: the next occurrence due is sent by it,
-    # at worst one occurrence is lost in between (header gap of 2 s).
+    # From the two replicas' own logs: the old leader's release, the new leader's acquisition.
+    released = _log_time(old_proc.log(), "released the leadership")
+    acquired = _log_time(cluster.proc(first_new.node).log(), "is now the leader")
+    handover = (acquired - released).total_seconds()
+    print(f"SIGTERM: header gap {header_gap:.0f}s, first send by a standby {since_term:.2f}s after SIGTERM, "
+          f"lease taken {handover:.3f}s after the release")
+    # The release notice wakes a standby at once (a few ms): well within its 1 s poll of the
+    # lease, and long before the released key would have expired (ttl 5 s). (Each replica logs
+    # after its Redis call returns, so this can be a few ms below zero.)
+    assert handover < 0.2, (handover, timeline(msgs))
+    # It sends the next occurrence due: at worst one occurrence is lost in between (header gap
+    # of 2 s), and it is sent within about a second of the SIGTERM (room for a loaded machine).
     assert header_gap <= 2, timeline(msgs)
-    assert since_term <= 1.0 + 0.5, timeline(msgs)  # the next due second, plus polling and a loaded machine
+    assert since_term <= 1.0 + 1.0, timeline(msgs)
     # And the rest of the schedule runs on from the new leader, one a second.
     after = [m for m in msgs if m.at >= first_new.at]
     assert [m.at for m in after] == [first_new.at + i * SECOND for i in range(len(after))], timeline(msgs)
@@ -150,8 +191,8 @@ def test_leader_paused_past_its_lease_wakes_up_as_a_standby_and_sends_nothing_tw
     old = cluster.steady_leader()
     paused = cluster.proc(old)
 
-    stopped_at = time.time()
     paused.signal(signal.SIGSTOP)
+    stopped_at = time.time()  # (after the signal: nothing due from now on was decided before the stop)
     cluster.watcher.wait_for(lambda m: m.node != old and m.seen > stopped_at, ttl + 15,
                              "a standby taking over from the paused leader")
     time.sleep(max(0.0, stopped_at + ttl + 3 - time.time()))  # paused for ttl + 3 s in all
@@ -165,7 +206,9 @@ def test_leader_paused_past_its_lease_wakes_up_as_a_standby_and_sends_nothing_tw
     assert "stops scheduling" in log and "Traceback" not in log, log[-3000:]
     msgs = cluster.watcher.messages()
     assert not duplicates(msgs), f"occurrences sent twice: {duplicates(msgs)}\n{timeline(msgs)}"
-    assert not [m for m in msgs if m.node == old and m.seen > continued_at + 0.5], timeline(msgs)
+    # Woken up, it sends nothing of its own: no occurrence that fell due after it was stopped
+    # (a send it had in flight when stopped may complete; a duplicate would show above).
+    assert not [m for m in msgs if m.node == old and m.at.timestamp() > stopped_at], timeline(msgs)
 
     # It is a working standby: when the two others stop, it takes over and schedules again.
     others = [p for p in cluster.procs if p is not paused]
@@ -192,13 +235,15 @@ def test_with_catchup_all_a_sigkill_failover_sends_every_occurrence_exactly_once
     cluster.start(3)
     old = cluster.steady_leader()
 
+    _sleep_to_half_second()  # (while every replica sleeps: nothing in flight)
     killed_at = time.time()
     cluster.proc(old).signal(signal.SIGKILL)
-    first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, DEFAULT_TTL + 20,
-                                         "a standby's first send after SIGKILL of the leader")
+    cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, DEFAULT_TTL + 20,
+                             "a standby's first send after SIGKILL of the leader")
     time.sleep(3)
     msgs = cluster.watcher.messages()
     cluster.stop_all()
+    first_new = min((m for m in msgs if m.node != old), key=lambda m: m.at)
 
     assert not duplicates(msgs), f"occurrences sent twice: {duplicates(msgs)}\n{timeline(msgs)}"
     instants = [m.at for m in msgs]
@@ -244,7 +289,10 @@ def test_redis_restarted_under_the_cluster_replicas_survive_and_scheduling_resum
     # After the restart one replica leads and sends the new occurrences on time, one a second.
     recent = [m for m in msgs if m.at.timestamp() > restarted_at + 2]
     assert recent and len({m.node for m in recent}) == 1, timeline(msgs)
-    assert all(m.seen - m.at.timestamp() < 1.5 for m in recent), timeline(msgs)
+    # On time: typically seen within a fraction of a second of its instant, and none later than
+    # ON_TIME (2 s; a later send would have been a catch-up)
+    lateness = [m.seen - m.at.timestamp() for m in recent]
+    assert statistics.median(lateness) < 0.5 and max(lateness) < 2.0, (lateness, timeline(msgs))
     assert [m.at for m in recent] == [recent[0].at + i * SECOND for i in range(len(recent))], timeline(msgs)
     # (Occurrences that fell due during the outage are either sent late, once, or recorded.)
     cluster.stop_all()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import time
 import uuid
 from dataclasses import dataclass
@@ -244,8 +245,12 @@ def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, r
     runs = [r for r in c.runs(guarded) if r.end is not None]
     assert_never_overlap(runs, "skip")
     for prev, nxt in zip(runs, runs[1:]):
-        # ... and the guard frees the schedule promptly: the first fire after the end is sent.
-        assert nxt.start - prev.end < 2.0, f"skip: {nxt.start - prev.end:.2f}s idle between runs\n{c.diagnostics()}"
+        # ... and the guard frees the schedule promptly: the first fire after the end is sent (the
+        # second one if the run ended just before a whole second, before its result was stored).
+        # Read on the beat's side, from the next run's instant: not how soon a worker process got
+        # round to starting it.
+        held = parse_iso(nxt.at).timestamp() - prev.end
+        assert held < 2.0, f"skip: next fire sent {held:.2f}s after the end of the run\n{c.diagnostics()}"
 
     rows = c.claims(guarded)
     sent_at = [i for i, row in enumerate(rows) if row.status == "sent"]
@@ -256,11 +261,14 @@ def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, r
     # one claim row per nominal second: every fire was decided (sent or skipped), none lost
     instants = [row.scheduled_at for row in window]
     assert all(b - a == timedelta(seconds=1) for a, b in zip(instants, instants[1:])), instants
-    # about one send in four: 3.5 s of run, then the next whole second (a 5th or 6th under load)
+    # about one send in four: 3.5 s of run, then the next whole second. Never fewer fires apart
+    # (the run is in flight for 3.5 s at least); a 5th (or later) when a worker started the run
+    # late on a loaded machine, which the median absorbs. How soon the guard frees the schedule
+    # after a run is checked above, free of the worker's delays.
     gaps = [b - a for a, b in zip(sent_at, sent_at[1:])]
-    assert all(4 <= g <= 6 for g in gaps), f"fires between sends: {gaps}"
+    assert all(g >= 4 for g in gaps) and statistics.median(gaps) <= 5, f"fires between sends: {gaps}"
     share = (len(sent_at) - 1) / (len(window) - 1)  # sends per fire, counted send to send
-    assert 1 / 6 <= share <= 1 / 4, share
+    assert share <= 1 / 4, share
     # each decision was reported through occurrence_handled too
     skipped_events = {e["at"] for e in c.events(schedule=guarded) if e["outcome"] == "skipped-overlap"}
     assert {row.scheduled_at.isoformat() for row in window if row.status == "skipped"} <= skipped_events
@@ -282,7 +290,8 @@ def test_skip_never_runs_twice_at_once_while_allow_does(backend_kind, cluster, r
 @pytest.mark.parametrize("backend_kind", ["redis", "sqlite"])
 def test_buffer_one_sends_the_pending_occurrence_as_soon_as_the_run_ends(backend_kind, cluster, redis_url, tmp_path):
     """A 2.5 s task every second under ``buffer_one``: the first fire during a run is kept and
-    sent the moment the run ends (well before the next whole second); later ones are skipped."""
+    sent as soon as the run ends (the beat looks at a buffered run's predecessor every 0.25 s);
+    later ones are skipped."""
     sched = name("buffered")
     backend = redis_url if backend_kind == "redis" else result_backend(backend_kind, redis_url, f"sqlite:///{tmp_path}/results.sqlite3")
     c = cluster(
@@ -298,10 +307,15 @@ def test_buffer_one_sends_the_pending_occurrence_as_soon_as_the_run_ends(backend
 
     runs = [r for r in c.runs(sched) if r.end is not None]
     assert_never_overlap(runs, "buffer_one")
-    buffered = {e["at"] for e in c.events(schedule=sched) if e["outcome"] == "buffered"}
+    events = c.events(schedule=sched)
+    buffered = {e["at"] for e in events if e["outcome"] == "buffered"}
+    sent_t = {e["task_id"]: e["t"] for e in events if e["outcome"] == "sent"}
     for prev, nxt in zip(runs, runs[1:]):
-        idle = nxt.start - prev.end
-        assert idle < 1.0, f"buffer_one: {idle:.2f}s between the end of a run and the next\n{c.diagnostics()}"
+        # Sent by the beat within a poll (0.25 s) of the run's end, plus room for a loaded machine:
+        # on the beat's side, not when a worker process got round to starting it.
+        assert nxt.id in sent_t, (nxt.id, events)
+        late = sent_t[nxt.id] - prev.end
+        assert late < 1.0, f"buffer_one: sent {late:.2f}s after the end of the previous run\n{c.diagnostics()}"
         # It is the *buffered* occurrence that runs: nominally due while the previous one ran,
         # and its message still says so.
         nominal = parse_iso(nxt.at)
@@ -342,14 +356,17 @@ def test_watchdog_lets_the_next_fire_through_after_max_run_time(cluster, redis_u
     runs = c.runs(sched)
     assert all(r.end is None for r in runs)  # all still hanging: only the watchdog let them start
     for prev, nxt in zip(runs, runs[1:]):
-        # sent ~3 s after the previous one (the first whole second past max_run_time)
-        assert 2.8 <= nxt.start - prev.start <= 5.5, [(r.at, r.start) for r in runs]
+        # sent ~3 s after the previous one (the first whole second past max_run_time): never
+        # sooner (by the instants in the messages, free of when a worker started them)
+        assert (parse_iso(nxt.at) - parse_iso(prev.at)).total_seconds() >= 3, [(r.at, r.start) for r in runs]
     dogs = c.events("watchdog", sched)
     assert len({d["task_id"] for d in dogs}) == len(dogs), "the watchdog fires once per hung run"
     by_task = {d["task_id"]: d for d in dogs}
     for hung, nxt in zip(runs, runs[1:]):
         dog = by_task[hung.id]
-        assert dog["age"] >= 3
+        # the first fire once the hung run is max_run_time old goes through: fires come a second
+        # apart, so it is less than a second past max_run_time (plus room for a late tick)
+        assert 3 <= dog["age"] < 4.5, dog
         assert dog["t"] <= nxt.start  # signalled when the next fire went through
     assert f"watchdog: {sched}: previous run {runs[0].id} is still STARTED" in beat.log()
     rows = c.claims(sched)
@@ -425,10 +442,11 @@ def test_a_new_leader_honours_the_guard_of_the_old_one(cluster, redis_url, pg_ur
     )
     c.worker(concurrency=2)
     beats = {"A": c.beat("A", node="A"), "B": c.beat("B", node="B")}
+    for beat in beats.values():  # both up before the first run, so the kill below comes early in it
+        procs.wait_for_log(beat, "cluster-beat: node", 30)
     wait_until(lambda: len(c.runs(sched)) >= 1, 30, "the first run", c)
     first = c.runs(sched)[0]
     leader, standby = first.node, "B" if first.node == "A" else "A"
-    procs.wait_for_log(beats[standby], "cluster-beat: node", 20)
     time.sleep(max(0.0, first.start + 1.5 - time.time()))
     beats[leader].signal(signal.SIGKILL)
     killed_at = time.time()
@@ -441,7 +459,10 @@ def test_a_new_leader_honours_the_guard_of_the_old_one(cluster, redis_url, pg_ur
     assert first.end > killed_at + 4
     assert second.node == standby, "the new leader sends once the run has ended"
     assert second.start >= first.end, "the new leader must not send while the old leader's run is in flight"
-    assert second.start - first.end < 2.0, "... and resumes right after it"
+    # ... and resumes right after it: its next run is the first (or, if the run ended just before
+    # a whole second, the second) fire after the end (by the instant in the message, free of
+    # when a worker started it)
+    assert parse_iso(second.at).timestamp() - first.end < 2.0, "... and resumes right after it"
 
     rows = c.claims(sched)
     by_standby = [r for r in rows if r.node == standby and r.scheduled_at < parse_iso(second.at)]
@@ -519,13 +540,17 @@ def test_result_states_are_read_for_due_schedules_only_in_one_mget(redis_url, tm
     store.open()
     try:
         due_ids = {row.task_id for n in due for row in store.claims(n) if row.status == "sent"}
+        fires = []
         for n in due:  # nobody ran them, so every later fire met a PENDING (young) run: skipped
             statuses = [r.status for r in store.claims(n)]
             assert statuses[0] == "sent" and set(statuses[1:]) == {"skipped"}, statuses
+            fires.append(len(statuses))
     finally:
         store.close()
-    # The first second has no previous run to look up; each later one does, in one call.
-    assert 3 <= len(calls) <= 4, calls
+    # The first second has no previous run to look up; each later one does, in one call (4 or
+    # 5 due seconds fit in the 4.2 s, fewer if the loop was slow: counted from the claim rows).
+    assert len(set(fires)) == 1 and fires[0] >= 3, fires
+    assert len(calls) == fires[0] - 1, (fires, calls)
     for ids in calls:
         assert sorted(ids) == sorted(due_ids), ids
     assert not idle_ids & {i for ids in calls for i in ids}

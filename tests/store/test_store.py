@@ -379,17 +379,17 @@ def test_last_occurrence_only_moves_forward(make_store):
 
 def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     dead = make_store("node-dead")
+    sweepers = [make_store("node-a"), make_store("node-b")]  # (opened first: the sweep follows the fresh claim at once)
     stale = [occ(f"s{i}", i % 3) for i in range(20)]
     dead.claim(stale)
     sent = occ("done", 0)
     dead.claim([sent])
     dead.mark_sent([sent])
     time.sleep(3.0)
-    grace = 1.5  # the stale rows are 3 s old, the fresh one is not yet 1.5 s old when swept
+    grace = 2.0  # the stale rows are 3 s old (or more), the fresh one is not yet 2 s old when swept
     fresh = occ("fresh", 0)
     dead.claim([fresh])  # claimed within the grace: its node may still send it
 
-    sweepers = [make_store("node-a"), make_store("node-b")]
     barrier = threading.Barrier(len(sweepers))
     taken: Dict[str, List[Occurrence]] = {}
     errors: List[BaseException] = []

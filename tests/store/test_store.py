@@ -45,30 +45,6 @@ def keys(occurrences) -> List[tuple]:
     return [(o.schedule, o.at) for o in occurrences]
 
 
-@pytest.fixture
-def make_store(db_url):
-    """Open stores on the test's database (one per simulated node); all closed afterwards."""
-    stores: List[ClaimStore] = []
-
-    def make(node: str = "node-a", **kwargs) -> ClaimStore:
-        store = ClaimStore(db_url, node_id=node, **kwargs)
-        store.open()
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
-
-
-@pytest.fixture
-def raw(db_url):
-    """A plain engine on the same database, to look behind the store's back."""
-    engine = sa.create_engine(db_url)
-    yield engine
-    engine.dispose()
-
-
 def states(store: ClaimStore) -> Dict[str, object]:
     return {s.name: s for s in store.schedule_states()}
 

@@ -10,7 +10,7 @@ The package is one folder per concern; arrows point down only::
     store     the SQL claim store (dialects behind one seam)
     schedules pure time arithmetic: cron, intervals, zones, occurrences
 
-plus ``errors`` (ConfigError, ScheduleError), ``signals`` and ``base`` (shared
+plus ``errors`` (ConfigError, ScheduleError), ``signals``, ``faults`` (test-only fault points) and ``base`` (shared
 limits and the enum base), which every concern may import.
 """
 from __future__ import annotations

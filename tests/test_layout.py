@@ -19,7 +19,7 @@ ALLOWED = {
     "config": {"leader", "schedules"},
     "beat": {"config", "store", "leader", "schedules"},
 }
-SHARED = {"errors", "signals", "base"}
+SHARED = {"errors", "signals", "base", "faults"}
 
 
 def concern_of(module: str) -> str:

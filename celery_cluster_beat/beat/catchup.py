@@ -21,6 +21,8 @@ from typing import List, Optional
 from ..config.values import CatchupPolicy
 from ..schedules.instants import TINY
 
+#: Missed occurrences recorded per schedule and pass, at most.
+RECORD_LIMIT = 1000
 #: A due occurrence handled within this delay is "on time", not catch-up.
 ON_TIME = timedelta(seconds=2)
 
@@ -55,7 +57,7 @@ def plan_catchup(
     policy: CatchupPolicy,
     window: Optional[float],
     max_count: int,
-    record_limit: int = 1000,
+    record_limit: int = RECORD_LIMIT,
 ) -> CatchupPlan:
     """Split the occurrences in (since, now] into those to send and those missed."""
     plan = CatchupPlan()

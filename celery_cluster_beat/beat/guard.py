@@ -252,6 +252,9 @@ class OverlapGuard:
                 # Catch-up sends several at once: the guard lets the first through only.
                 verdict = BUSY
             elif name in self._buffer:
+                if self._buffer[name][1] == occ:  # this very occurrence, back after a failed pass
+                    decision.buffered.append((entry, occ))
+                    continue
                 verdict = BUSY  # an earlier occurrence waits in the buffer and goes first
             if policy == OverlapPolicy.REPLACE and name not in taken and verdict != FREE:
                 taken.add(name)
@@ -298,9 +301,11 @@ class OverlapGuard:
         for entry, occ in pairs:
             self._buffer.setdefault(entry.name, (entry, occ))
 
-    def drop_buffered(self) -> None:
-        """Forget buffered occurrences (this node stopped being the leader)."""
+    def drop_buffered(self) -> List[Pair]:
+        """Hand back and forget the buffered occurrences (this node stopped scheduling)."""
+        pairs = list(self._buffer.values())
         self._buffer.clear()
+        return pairs
 
     def revoke(self, task_id: str) -> None:
         """Terminate the run being replaced (``replace`` policy)."""

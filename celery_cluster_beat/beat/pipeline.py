@@ -6,13 +6,15 @@ the bookkeeping a send implies (the row marked sent, the entry's
 ``last_run_at`` / ``total_run_count``, the overlap guard's last run, the
 outcome report) is the same for all three.
 
-Publishing goes in chunks of at most :data:`PUBLISH_CHUNK`. Before each chunk
-the rows are confirmed as still ours in one conditional statement (and
-confirmed again after any pause longer than ``claim_grace / 4``), so a row
-taken over by another node, or a node fenced out, is never published here;
-after each chunk its rows are marked sent. A crash or a pause can therefore
-leave at most one chunk published but not marked: those are resent with the
-same task id, which the worker-side ledger turns into a skipped duplicate.
+Publishing goes in chunks of at most :data:`PUBLISH_CHUNK`. A chunk goes out
+only while its rows are known to be ours: claimed (or confirmed in one
+conditional statement) less than ``claim_grace / 4`` ago, as measured before
+that statement, since no row can be taken over before it is ``claim_grace``
+old; so a row taken over by another node, or a node fenced out, is never
+published here. After each chunk its rows are marked sent, and a burst stops
+when a mark fails. A crash can therefore leave at most one chunk published but
+not marked: those are resent with the same task id, which the worker-side
+ledger turns into a skipped duplicate.
 
 The pipeline raises :class:`~celery_cluster_beat.store.StoreUnavailable` and
 :class:`~celery_cluster_beat.store.StaleTermError` to the scheduler, which owns
@@ -100,15 +102,24 @@ class SendPipeline:
         """Seconds until the next retry is due (None when none waits)."""
         return self._retries[0][0] - time.monotonic() if self._retries else None
 
-    def abandon(self) -> None:
+    def abandon(self, buffered: Sequence[Tuple[Entry, Occurrence]] = ()) -> None:
         """This node stops scheduling: forget retries and hand every claim it holds to the next sender.
 
         Messages already out are recorded first, so only rows that were never
         published are released; a store that does not answer gets them later.
+        *buffered* (``buffer_one`` occurrences waiting for their predecessor) are
+        recorded as skipped with the reason, not dropped unseen.
         """
         self._retries = []
         self._claim_token = None
         self._release_owed = True
+        if buffered:
+            try:
+                self.store.record([occ for _, occ in buffered], status=ClaimStatus.SKIPPED,
+                                  reason="buffered behind a run still in flight when this node stopped scheduling")
+            except StoreUnavailable as exc:
+                logger.warning("cluster-beat: cannot record %d buffered occurrence(s) as skipped (%s)",
+                               len(buffered), exc)
         self.settle()
 
     @property
@@ -194,12 +205,10 @@ class SendPipeline:
             # stop before the mark below (close() settles what is owed).
             self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
             faults.hit("after-flush")
-            self._mark_sent([])
+            self._mark_sent()
             faults.hit("after-mark")
-            for p, err in zip(part, errors):
+            for p, err in zip(part, errors):  # what went out first: no store call can stop this
                 if err is not None:
-                    failed += 1
-                    self._send_failed(p, err)
                     continue
                 sent += 1
                 p.entry.last_run_at = p.occ.at
@@ -208,6 +217,16 @@ class SendPipeline:
                 reason = f"after {p.attempt - 1} failed attempt(s)" if p.attempt > 1 else None
                 self.report(Outcome.RESENT if p.resent else Outcome.SENT, p.occ, reason, p.entry,
                             log=log_each or p.attempt > 1)
+            for p, err in zip(part, errors):
+                if err is not None:
+                    failed += 1
+                    self._send_failed(p, err)
+            if self.unmarked:
+                # The store did not take the marks: publishing on would widen the window a crash
+                # leaves to be resent. The rest stays claimed for whoever can record it.
+                logger.warning("cluster-beat: %d claimed occurrence(s) left unsent until the claim store "
+                               "records what went out", len(items) - start - len(part))
+                break
         if not log_each:
             logger.info("cluster-beat: %s %d occurrence(s) (%d failed)",
                         "resent" if items[0].resent else "sent", sent, failed)
@@ -216,6 +235,7 @@ class SendPipeline:
                    first: bool = False) -> Optional[List[Pending]]:
         """The rows of *part* still ours, confirmed within ``recheck_after``; None when this node
         may no longer send at all."""
+        tries = 0
         if confirmed_at is not None and time.monotonic() - confirmed_at > self.recheck_after:
             if first:  # nothing was published since the claim: the process was held up in between
                 logger.warning("cluster-beat: %.1f s passed between claiming and publishing %d occurrence(s); "
@@ -223,6 +243,10 @@ class SendPipeline:
             confirmed_at = None  # too long ago for this chunk: confirm it now
         while True:
             if confirmed_at is None:
+                tries += 1
+                if tries > 3:  # each confirmation outlasts its own validity: the store is too slow
+                    raise StoreUnavailable(f"confirming {len(part)} claim(s) took longer than "
+                                           f"{self.recheck_after:g} s three times")
                 confirmed_at = time.monotonic()  # before the call: see claim_and_send
                 mine = set(self.store.confirm([p.occ for p in part], term=self._term()))
                 for p in part:
@@ -248,13 +272,13 @@ class SendPipeline:
                 options = dict(options, eta=occ.at + timedelta(seconds=delay))
         return Dispatch(occ, entry.task, entry.args, entry.kwargs, options)
 
-    def _mark_sent(self, sent: List[Occurrence]) -> None:
-        """Record sends; if the store is down, keep them to record later.
+    def _mark_sent(self) -> None:
+        """Record what went out (:attr:`unmarked`); if the store is down, keep it to record later.
 
         The messages are out: losing the 'sent' mark would make the stale-claim
         sweep resend them, so they are kept until the store takes them.
         """
-        pending = self.unmarked + sent
+        pending = self.unmarked
         if not pending:
             return
         try:
@@ -269,7 +293,12 @@ class SendPipeline:
 
     def _send_failed(self, p: Pending, err: BaseException) -> None:
         final = p.attempt >= MAX_SEND_ATTEMPTS
-        if not self.store.mark_failed(p.occ, f"{err.__class__.__name__}: {err}", final=final):
+        try:
+            owned = self.store.mark_failed(p.occ, f"{err.__class__.__name__}: {err}", final=final)
+        except StoreUnavailable:
+            owned, final = True, False  # unrecorded: retry anyway; the retry's confirmation decides
+            self._store_trouble()
+        if not owned:
             # The row is no longer ours (taken over meanwhile): its new owner sends it.
             self.report(Outcome.CLAIM_LOST, p.occ, "taken over by another node after a failed publish")
             return
@@ -292,7 +321,13 @@ class SendPipeline:
             batch.append(heapq.heappop(self._retries)[2])
         if not batch or not self._still_leader():
             return
-        self.send([p for p in batch if p.entry.name in self.entries])
+        try:
+            self.send(batch)
+        except StoreUnavailable:
+            for p in batch:  # keep their attempt count; the next try confirms ownership first
+                self._retry_seq += 1
+                heapq.heappush(self._retries, (time.monotonic() + 1.0, self._retry_seq, p))
+            raise
 
     def sweep_stale(self) -> None:
         """Resend rows whose claimant is gone (judged by the database's clock), in bounded chunks
@@ -300,7 +335,7 @@ class SendPipeline:
         if not self._still_leader():
             return
         if self.unmarked:  # our own sends must be recorded before we look for unsent claims
-            self._mark_sent([])
+            self._mark_sent()
             if self.unmarked:
                 return
         deadline = time.monotonic() + SWEEP_BUDGET

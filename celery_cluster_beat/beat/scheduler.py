@@ -1,12 +1,13 @@
 """The Celery glue: ``celery beat -S celery_cluster_beat.Scheduler``.
 
 Beat calls :meth:`Scheduler.tick` in a loop and sleeps for what it returns.
-Each tick here costs a heap peek when nothing is due: no I/O, no walk over the
-schedule. When occurrences fall due the :class:`~.pipeline.SendPipeline`
-claims them in the SQL store in one statement (only rows this node inserted
-are sent), publishes them in one transport batch, and marks them sent in one
-statement. With a Redis lease only the leader does this; standbys block on the
-lease's release notice.
+Each tick here costs a heap peek when nothing is due: no walk over the
+schedule, and no I/O but the housekeeping every ``claim_grace / 3`` (heartbeat,
+clock sample, stale-claim sweep). When occurrences fall due the
+:class:`~.pipeline.SendPipeline` claims them in the SQL store in one statement
+(only rows this node inserted are sent) and publishes them in chunks, each
+marked sent in one statement. With a Redis lease only the leader does this;
+standbys block on the lease's release notice.
 
 The scheduler owns what Celery calls and the loop's state (the heap of next
 fires, leadership, the store back-off); the pipeline owns sending.
@@ -31,6 +32,7 @@ from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StaleTermError, StoreUnavailable
 from .clock import NodeClock
 from .catchup import ON_TIME, plan_catchup
+from .catchup import RECORD_LIMIT as CATCHUP_RECORD_LIMIT
 from .guard import OverlapGuard
 from .outcomes import Outcome, Reporter
 from .pipeline import SendPipeline
@@ -105,6 +107,7 @@ class Scheduler(beat.Scheduler):
         self.entries.update(build_entries(default_entries(self.app, self.entries), app=self.app))
         self._store = ClaimStore(s.db_url, node_id=s.node_id, lock_timeout=self._lock_timeout())
         self._store.open()
+        self._store.check_names(self.entries)  # what the database cannot tell apart (a PAD SPACE collation)
         self._clock.measure(self._store.db_now)
         self._store.heartbeat(scheduling=False, clock_offset=self._clock.offset, register=True)
         self._next_housekeeping = time.monotonic() + self._housekeeping_interval()
@@ -201,10 +204,9 @@ class Scheduler(beat.Scheduler):
         if self._active:
             logger.warning("cluster-beat: node %s stops scheduling: %s", self.settings.node_id, why)
         self._active = False
+        buffered = self._guard.drop_buffered() if self._guard is not None else []
         if self._pipeline is not None:
-            self._pipeline.abandon()
-        if self._guard is not None:
-            self._guard.drop_buffered()
+            self._pipeline.abandon(buffered)
 
     def _standby(self) -> float:
         lease = self._lease
@@ -228,8 +230,8 @@ class Scheduler(beat.Scheduler):
         return False
 
     def _fenced_out(self, exc: StaleTermError) -> None:
+        self._deactivate("a newer leader holds the claim store")  # hand claims over before the lease goes
         self._lease.step_down(f"a newer leader term {exc.seen_term} is recorded", observed_term=exc.seen_term)
-        self._deactivate("a newer leader holds the claim store")
 
     # -- the loop ----------------------------------------------------------------
     def tick(self, *args, **kwargs) -> float:
@@ -316,6 +318,7 @@ class Scheduler(beat.Scheduler):
         claim: List[Tuple[Entry, Occurrence]] = []
         missed: List[Occurrence] = []
         missed_by: Dict[str, int] = {}
+        truncated = 0
         for entry, at, single in due:
             if single and now - at <= ON_TIME:
                 claim.append((entry, Occurrence(entry.name, at)))  # the usual case: one occurrence, on time
@@ -331,29 +334,39 @@ class Scheduler(beat.Scheduler):
             missed.extend(Occurrence(entry.name, t) for t in plan.missed)
             if plan.missed:
                 missed_by[entry.name] = len(plan.missed)
+                truncated += plan.missed_truncated
                 logger.debug("cluster-beat: %s: %d%s occurrence(s) from %s missed (catch-up policy %s)",
                               entry.name, len(plan.missed), "+" if plan.missed_truncated else "",
                               plan.missed[0].isoformat(), policy)
         if missed_by:
             # One line a pass: after a stop with thousands of entries, not thousands of lines.
             names = sorted(missed_by)
-            logger.warning("cluster-beat: catch-up: %d occurrence(s) of %d schedule(s) missed (%s%s); "
+            logger.warning("cluster-beat: catch-up: %d occurrence(s) of %d schedule(s) missed (%s%s)%s; "
                            "details at debug level", sum(missed_by.values()), len(names), ", ".join(names[:5]),
-                           ", ..." if len(names) > 5 else "")
+                           ", ..." if len(names) > 5 else "",
+                           f"; {truncated} schedule(s) missed more than the {CATCHUP_RECORD_LIMIT} recorded"
+                           if truncated else "")
         try:
             if missed:
                 for occ in self._store.record(missed, status=ClaimStatus.MISSED, reason="catchup", term=self._term()):
                     self._report(Outcome.MISSED, occ, "catchup")
             self._pipeline.claim_and_send(claim, now)
-        except StoreUnavailable as exc:
-            logger.error("cluster-beat: the claim store failed (%s); %d due occurrence(s) wait for it, then "
-                         "go by the catch-up policy", exc, len(due))
+        except (StoreUnavailable, Exception) as exc:
+            if isinstance(exc, StaleTermError):
+                raise
+            if isinstance(exc, StoreUnavailable):
+                logger.error("cluster-beat: the claim store failed (%s); %d due occurrence(s) wait for it, then "
+                             "go by the catch-up policy", exc, len(due))
+            else:
+                logger.exception("cluster-beat: unexpected error handling %d due occurrence(s); they wait for "
+                                 "the next try", len(due))
             self._db_trouble()
             for entry, at, _ in due:  # put them back: the retry applies the catch-up policy
                 self._next_at[entry.name] = at
                 heapq.heappush(self._heap, (at, entry.name))
             return
-        self._db_ok()
+        if not self._pipeline.unmarked:
+            self._db_ok()
 
     def _housekeep(self) -> None:
         """Every ``claim_grace / 3``: heartbeat (and clock sample), settle, sweep stale claims."""
@@ -384,8 +397,8 @@ class Scheduler(beat.Scheduler):
 
     def _step_aside(self, why: str) -> None:
         """Give the lease up for a node that can do the work (this one cannot reach the store)."""
-        self._lease.release()
         self._deactivate(why)
+        self._lease.release()
 
     def _guarded_store_call(self, call, doing: str) -> None:
         try:
@@ -400,8 +413,8 @@ class Scheduler(beat.Scheduler):
         if ready:
             try:
                 self._pipeline.claim_and_send(ready, self._clock.now(), guarded=False)
-            except StoreUnavailable:
-                self._guard.requeue(ready)  # not claimed: they wait for the store, not dropped
+            except Exception:
+                self._guard.requeue(ready)  # not claimed: they wait (or are recorded on handover), not dropped
                 raise
 
     def _prune(self) -> None:

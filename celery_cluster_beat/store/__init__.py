@@ -5,7 +5,7 @@ Owns the tables (:mod:`.schema`), the public :class:`ClaimStore` API
 (:mod:`.dialects`: SQLite, PostgreSQL, MySQL/MariaDB). Callers see
 occurrences, statuses and :class:`StoreUnavailable`, never SQLAlchemy.
 
-May import: SQLAlchemy, schedules (occurrences), errors, base. Nothing from
+May import: SQLAlchemy, schedules (occurrences), errors, base, faults. Nothing from
 leader, config or beat: a fencing term arrives as a plain integer.
 """
 from .claims import ClaimStore

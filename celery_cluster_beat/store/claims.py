@@ -704,6 +704,17 @@ class ClaimStore:
 
         return self._run(work)
 
+    def check_names(self, names: Iterable[str]) -> None:
+        """Refuse (ConfigError) schedule names this database would compare equal to others."""
+        problems = []
+        for name in names:
+            try:
+                self._dialect.check_name(name)
+            except ValueError as exc:
+                problems.append(f"beat_schedule entry {name!r}: name: {exc}")
+        if problems:
+            raise ConfigError(problems)
+
     @_database_errors
     def db_now(self) -> datetime:
         """The database's clock (aware UTC)."""
@@ -835,8 +846,17 @@ class ClaimStore:
         timeout = self._dialect.statement_timeout_sql(PRUNE_STATEMENT_TIMEOUT)
 
         def one_batch(conn: Connection) -> tuple[int, int]:
-            if timeout:
-                conn.exec_driver_sql(timeout)
+            if timeout is None:
+                return delete_batch(conn)
+            set_timeout, reset = timeout
+            conn.exec_driver_sql(set_timeout)
+            try:
+                return delete_batch(conn)
+            finally:
+                if reset:
+                    conn.exec_driver_sql(reset)
+
+        def delete_batch(conn: Connection) -> tuple[int, int]:
             # Select the keys first, then delete by key: MySQL refuses a
             # DELETE whose subquery reads the same table, and DELETE ... LIMIT
             # is not portable.

@@ -186,8 +186,9 @@ class Dialect:
         """
         return utcnow()
 
-    def statement_timeout_sql(self, seconds: float) -> str | None:
-        """A statement bounding the current transaction's statements to *seconds* (None: not supported)."""
+    def statement_timeout_sql(self, seconds: float) -> tuple[str, str | None] | None:
+        """The statement bounding the next statements to *seconds*, and the one undoing it (None
+        when the transaction's end undoes it); None when the server cannot bound them."""
         return None
 
     def learn(self, dialect: sa.engine.Dialect) -> None:

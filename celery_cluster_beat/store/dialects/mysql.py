@@ -71,9 +71,12 @@ class MySQLDialect(Dialect):
     def db_now(self, conn: Connection) -> datetime:
         return conn.exec_driver_sql("SELECT UTC_TIMESTAMP(6)").scalar_one().replace(tzinfo=UTC)
 
-    def statement_timeout_sql(self, seconds: float) -> str | None:
-        # MariaDB's per-session limit (seconds); MySQL's max_execution_time covers SELECTs only.
-        return f"SET SESSION max_statement_time = {seconds:g}" if self.mariadb else None
+    def statement_timeout_sql(self, seconds: float) -> tuple[str, str | None] | None:
+        # MariaDB's per-session limit (seconds), reset after use: the connection goes back to
+        # the pool. MySQL's max_execution_time covers SELECTs only.
+        if not self.mariadb:
+            return None
+        return f"SET SESSION max_statement_time = {seconds:g}", "SET SESSION max_statement_time = 0"
 
     #: The server is MariaDB (it has max_statement_time).
     mariadb = False
@@ -137,7 +140,8 @@ class MySQLDialect(Dialect):
 
     def upsert(self, conn: Connection, table: sa.Table, rows: list[dict[str, Any]], key: str, merge: Merge) -> None:
         stmt = mysql.insert(table)
-        conn.execute(stmt.on_duplicate_key_update(merge.changes(table, stmt.inserted)), rows)
+        # A list, not a dict: MySQL evaluates the assignments in this order (see Merge.forward).
+        conn.execute(stmt.on_duplicate_key_update(list(merge.changes(table, stmt.inserted).items())), rows)
 
     # Keyed statements: a UNION ALL derived table joined on the primary key
     # (eq_ref); UPDATE/DELETE re-read the latest row version when locking.

@@ -68,8 +68,8 @@ class PostgreSQLDialect(Dialect):
         value = conn.exec_driver_sql("SELECT timezone('UTC', clock_timestamp())").scalar_one()
         return value.replace(tzinfo=UTC)
 
-    def statement_timeout_sql(self, seconds: float) -> str | None:
-        return f"SET LOCAL statement_timeout = {int(seconds * 1000)}"
+    def statement_timeout_sql(self, seconds: float) -> tuple[str, str | None] | None:
+        return f"SET LOCAL statement_timeout = {int(seconds * 1000)}", None  # ends with the transaction
 
     def insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table)

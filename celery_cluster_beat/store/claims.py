@@ -55,6 +55,9 @@ from ..schedules.occurrence import Occurrence
 from .dialects import SUPPORTED_BACKENDS, dialect_for
 from .dialects.base import KEY_COLUMNS, ClaimValues, KeyedUpdate, Merge, chunks, claim_key, new_token
 from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
+from .errors import database_errors as _database_errors
+from .ledger import LedgerQueries
+from .stored import StoredScheduleQueries
 from .schema import (
     CLAIM_KEY,
     MIGRATIONS,
@@ -70,6 +73,7 @@ from .schema import (
     meta_table,
     metadata,
     nodes_table,
+    schedule_version_table,
     schedules_table,
 )
 
@@ -112,25 +116,7 @@ def _unique(occurrences: Iterable[Occurrence]) -> list[Occurrence]:
     return out
 
 
-def _database_errors(method: F) -> F:
-    """Turn any SQLAlchemy error escaping *method* into :class:`StoreUnavailable`.
-
-    Callers back off on that one type without importing SQLAlchemy. Our own
-    errors (StaleTermError, SchemaVersionError, ConfigError, ValueError) are
-    not SQLAlchemy's and pass unchanged.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self: ClaimStore, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except sa.exc.SQLAlchemyError as exc:
-            raise StoreUnavailable.wrap(exc, self.url_masked) from exc
-
-    return cast(F, wrapper)
-
-
-class ClaimStore:
+class ClaimStore(LedgerQueries, StoredScheduleQueries):
     """Atomic, fenced claims of occurrences in a SQL database shared by all replicas."""
 
     def __init__(
@@ -248,6 +234,7 @@ class ClaimStore:
                             ["key"],
                         )
                         self._insert_leader_row(conn)
+                        self._dialect.insert_if_absent(conn, schedule_version_table, [{"id": 1, "version": 0}], ["id"])
                         # A concurrent opener may have stamped first: check again.
                         self._check_version(conn)
                         self._cluster_id = conn.execute(

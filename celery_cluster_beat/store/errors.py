@@ -1,9 +1,32 @@
 """What the claim store raises, so callers need not know SQLAlchemy."""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar, cast
+
+import sqlalchemy as sa
 
 from ..errors import ConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def database_errors(method: F) -> F:
+    """Turn any SQLAlchemy error escaping the store method *method* into :class:`StoreUnavailable`.
+
+    Callers back off on that one type without importing SQLAlchemy. Our own
+    errors (StaleTermError, SchemaVersionError, ConfigError, ValueError) are
+    not SQLAlchemy's and pass unchanged.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreUnavailable.wrap(exc, self.url_masked) from exc
+
+    return cast(F, wrapper)
 
 
 class StoreUnavailable(RuntimeError):

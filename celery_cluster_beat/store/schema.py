@@ -17,7 +17,7 @@ from ..schedules.occurrence import Occurrence
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class ClaimStatus(StrEnum):
@@ -31,6 +31,23 @@ class ClaimStatus(StrEnum):
 
 
 STATUSES = tuple(s.value for s in ClaimStatus)
+
+
+class RunState(StrEnum):
+    """The worker-side ledger's column on a claim row: how the occurrence's run went.
+
+    None (no run started yet) -> RUNNING -> SUCCEEDED / FAILED / RETRIED; a RETRIED run
+    goes RUNNING again when Celery redelivers its retry (same task id).
+    """
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    RETRIED = "retried"
+
+
+#: Longest error summary the ledger keeps per run (class and first line of the message).
+RUN_ERROR_LENGTH = 500
 
 
 #: Width of the task id column: a Celery task id is a UUID in its 36-character form.
@@ -117,6 +134,17 @@ claims_table = sa.Table(
     # exact under concurrency. (Looked up through the primary key, so it
     # needs no index of its own.)
     sa.Column("op_token", sa.String(32), nullable=True),
+    # The worker-side ledger (celery_cluster_beat.worker): one atomic transition per run, so
+    # a second delivery of the same occurrence is recognised and not run.
+    sa.Column("run_state", sa.String(16), nullable=True),
+    sa.Column("run_token", sa.String(32), nullable=True),
+    sa.Column("worker", NameType(MAX_NODE_ID_LENGTH), nullable=True),
+    sa.Column("worker_pid", sa.Integer(), nullable=True),
+    sa.Column("started_at", UTCDateTime(), nullable=True),
+    sa.Column("finished_at", UTCDateTime(), nullable=True),
+    sa.Column("runtime", sa.Float(), nullable=True),  # seconds, by the worker's monotonic clock
+    sa.Column("run_error", sa.Text(), nullable=True),
+    sa.Column("duplicates", sa.Integer(), nullable=True),  # deliveries not run because one already was
     sa.CheckConstraint(
         "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
         name="ck_cluster_beat_claims_status",
@@ -178,6 +206,50 @@ nodes_table = sa.Table(
     **_MYSQL_TABLE,
 )
 
+stored_schedules_table = sa.Table(
+    "cluster_beat_stored_schedules",
+    metadata,
+    # Schedules an application creates at run time (celery_cluster_beat.dynamic). A removed
+    # one stays as a tombstone (deleted) until pruned, so the leader, which reads only rows
+    # changed since the version it last saw, learns of removals too.
+    sa.Column("name", NameType(MAX_NAME_LENGTH), primary_key=True),
+    sa.Column("task", sa.String(MAX_NAME_LENGTH), nullable=False),
+    sa.Column("schedule", sa.Text(), nullable=False),  # schedules.text form: cron fields or "every ..."
+    sa.Column("zone", sa.String(64), nullable=True),
+    sa.Column("args", sa.Text(), nullable=False),  # JSON
+    sa.Column("kwargs", sa.Text(), nullable=False),  # JSON
+    sa.Column("options", sa.Text(), nullable=False),  # JSON
+    sa.Column("overlap", sa.String(16), nullable=True),
+    sa.Column("max_run_time", sa.Float(), nullable=True),
+    sa.Column("jitter", sa.Float(), nullable=True),
+    sa.Column("catchup", sa.String(16), nullable=True),
+    sa.Column("catchup_window", sa.Float(), nullable=True),
+    sa.Column("description", sa.Text(), nullable=True),
+    sa.Column("owner", sa.String(MAX_NAME_LENGTH), nullable=True),
+    sa.Column("enabled", sa.Boolean(), nullable=False),
+    sa.Column("deleted", sa.Boolean(), nullable=False, server_default=sa.false()),
+    # The change counter's value when this row last changed (cluster_beat_schedule_version).
+    sa.Column("version", sa.BigInteger(), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("changed_at", UTCDateTime(), nullable=False),
+    # Its next occurrence (database clock), kept exact while the leader does not hold the
+    # schedule in memory: the leader loads only what falls due within its horizon.
+    sa.Column("next_at", UTCDateTime(), nullable=True),
+    sa.Index("ix_cluster_beat_stored_schedules_version", "version"),
+    sa.Index("ix_cluster_beat_stored_schedules_next_at", "next_at"),
+    **_MYSQL_TABLE,
+)
+
+schedule_version_table = sa.Table(
+    "cluster_beat_schedule_version",
+    metadata,
+    # One row: bumped in the same transaction as every change to a stored schedule. Its row
+    # lock serialises changers, so versions commit in order and "changed since N" is exact.
+    sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("version", sa.BigInteger(), nullable=False),
+    **_MYSQL_TABLE,
+)
+
 meta_table = sa.Table(
     "cluster_beat_meta",
     metadata,
@@ -201,6 +273,14 @@ class ClaimRow:
     reason: str | None
     attempts: int
     sent_at: datetime | None
+    run_state: str | None = None
+    worker: str | None = None
+    worker_pid: int | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    runtime: float | None = None
+    run_error: str | None = None
+    duplicates: int | None = None
 
     @property
     def occurrence(self) -> Occurrence:
@@ -258,4 +338,6 @@ def _add_column(table: sa.Table, name: str) -> Any:
 #: are created by ``create_all``; only changes to existing tables are listed here.
 MIGRATIONS = {
     1: [_add_column(schedules_table, "last_sent_occurrence"), _add_column(schedules_table, "registered_at")],
+    2: [_add_column(claims_table, c) for c in ("run_state", "run_token", "worker", "worker_pid", "started_at",
+                                                 "finished_at", "runtime", "run_error", "duplicates")],
 }

@@ -410,7 +410,7 @@ def _schema(raw):
 def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url, raw, make_store):
     """A claim database written by release 1 (no ``cluster_beat_nodes`` table, no
     ``last_sent_occurrence`` column, no cluster id, schema_version '1') opens:
-    it is migrated to version 2 (column and table exist, version '2', a cluster
+    it is migrated to the current version (column and table exist, version '2', a cluster
     id is recorded and stays the same on the next open), keeps every claim row,
     counter and the recorded term, and works: heartbeats, claims, and a send
     records last_sent_occurrence. Two nodes opening it at once both succeed.
@@ -449,7 +449,7 @@ def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url
 
         tables, columns, meta = _schema(raw)
         assert nodes_table.name in tables and "last_sent_occurrence" in columns
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "2"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
         assert meta.get("cluster_id") and store.cluster_id == meta["cluster_id"] == opened[1].cluster_id
 
         rows = [(r.schedule, r.scheduled_at, r.node, r.status, r.term) for r in store.claims()]
@@ -474,7 +474,7 @@ def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url
 
     again = make_store("node-again")
     assert again.cluster_id == meta["cluster_id"]
-    assert _schema(raw)[2]["schema_version"] == "2"
+    assert _schema(raw)[2]["schema_version"] == "3"
 
 
 @pytest.mark.parametrize("db_url", ["mysql"], indirect=True)
@@ -490,7 +490,7 @@ def test_a_migration_interrupted_after_its_ddl_is_completed_on_the_next_open(db_
     with raw.begin() as conn:
         conn.exec_driver_sql(f"ALTER TABLE {schedules_table.name} ADD COLUMN last_sent_occurrence DATETIME(6) NULL")
     store = make_store("node-new")
-    assert _schema(raw)[2]["schema_version"] == "2"
+    assert _schema(raw)[2]["schema_version"] == "3"
     assert states(store)["a"].sent == 2
 
 

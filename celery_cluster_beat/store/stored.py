@@ -1,0 +1,6 @@
+"""placeholder (in progress)"""
+from __future__ import annotations
+
+
+class StoredScheduleQueries:
+    pass

@@ -358,3 +358,71 @@ def ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:
 
 def num(value: Optional[float], fmt: str = "{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
+
+
+# --------------------------------------------------------------------------- additions for bench_dynamic.py
+def import_app(app: "procs.App"):
+    """The Celery app of a generated module, imported into *this* process (to store schedules at run time
+    through the same configuration the beat process reads). The module's folder is put on sys.path."""
+    import importlib
+
+    if str(app.directory) not in sys.path:
+        sys.path.insert(0, str(app.directory))
+    return importlib.import_module(app.module).app
+
+
+#: Celery's default log line prefix: ``[2026-12-01 08:36:32,123: INFO/MainProcess] message``.
+LOG_TIME_RE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): ")
+
+
+def log_times(text: str, needle: str) -> List[float]:
+    """Epoch seconds (millisecond resolution, local time as Celery writes it) of the log lines containing
+    *needle* (case-insensitive), in log order."""
+    from datetime import datetime
+
+    out = []
+    low = needle.lower()
+    for line in text.splitlines():
+        if low not in line.lower():
+            continue
+        m = LOG_TIME_RE.match(line)
+        if m:
+            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1000.0)
+    return out
+
+
+def pg_backend_pids(db_url: str, client_pid: int) -> List[int]:
+    """PIDs of the PostgreSQL server processes serving the connections of process *client_pid* to *db_url*'s
+    database (matched by the client's local TCP ports); [] when not PostgreSQL or not readable."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    url = make_url(db_url)
+    if not url.drivername.startswith("postgresql"):
+        return []
+    try:
+        ports = {c.laddr.port for c in psutil.Process(client_pid).net_connections(kind="tcp") if c.laddr}
+    except (psutil.Error, AttributeError):
+        return []
+    engine = sa.create_engine(PG_ADMIN_URL)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT pid, client_port FROM pg_stat_activity WHERE datname = :d"),
+                                {"d": url.database}).all()
+    except sa.exc.SQLAlchemyError:
+        return []
+    finally:
+        engine.dispose()
+    return [pid for pid, port in rows if port in ports]
+
+
+def processes_cpu(pids: Sequence[int]) -> Dict[int, float]:
+    """User+system CPU seconds of each readable process in *pids* (psutil; 10 ms clock-tick resolution)."""
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out

@@ -5,8 +5,10 @@
 The package is one folder per concern; arrows point down only::
 
     beat      the Celery glue: Scheduler, send pipeline, overlap guard, catch-up, jitter
+    worker    the task base class that runs each occurrence once (the ledger), the message headers
+    dynamic   schedules made at run time: the StoredSchedules API, stored rows as entries
     config    cluster_beat_* settings, beat_schedule entries, Celery configuration knowledge
-    leader    the Redis lease, the Redis client factory, URL masking
+    leader    the Redis lease and change notices, the Redis client factory, URL masking
     store     the SQL claim store (dialects behind one seam)
     schedules pure time arithmetic: cron, intervals, zones, occurrences
 
@@ -20,7 +22,8 @@ from typing import Any
 from .errors import ConfigError, ScheduleError
 from .schedules import as_schedule, cron, every
 
-__all__ = ["cron", "every", "as_schedule", "ScheduleError", "ConfigError", "Scheduler"]
+__all__ = ["cron", "every", "as_schedule", "ScheduleError", "ConfigError", "Scheduler", "LedgerTask",
+           "current_occurrence"]
 __version__ = "0.1.0"
 
 
@@ -30,4 +33,9 @@ def __getattr__(name: str) -> Any:
         from .beat.scheduler import Scheduler
 
         return Scheduler
+    if name in ("LedgerTask", "current_occurrence"):
+        # The worker side pulls in SQLAlchemy too; only when asked for.
+        from . import worker
+
+        return getattr(worker, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .schedules.errors import ScheduleError
 
-__all__ = ["ConfigError", "ScheduleError"]
+__all__ = ["ConfigError", "ScheduleError", "UnknownSchedule"]
 
 
 class ConfigError(ValueError):
@@ -29,3 +29,14 @@ class ConfigError(ValueError):
                 "\n  - ".join(self.problems),
             )
         super().__init__(message)
+
+
+class UnknownSchedule(KeyError):
+    """No stored schedule has this name (or it was removed)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"no stored schedule is named {self.name!r}"

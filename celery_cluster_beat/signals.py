@@ -1,9 +1,13 @@
-"""Celery-style signals for what the scheduler decides.
+"""Celery-style signals for what the scheduler decides, and for what the worker-side ledger does.
 
-Receivers run in the beat process, synchronously: keep them quick. They are
-how the ops tooling (events, metrics) and users' own monitoring hook in.
+Receivers run synchronously, in the beat process (``lease_changed``,
+``occurrence_handled``, ``watchdog_fired``) or in the worker process that runs
+the task (``run_handled``): keep them quick. They are how the ops tooling
+(events, metrics) and users' own monitoring hook in.
 """
 from celery.utils.dispatch import Signal
+
+from .base import StrEnum
 
 #: A lease transition: ``event`` (acquired, renewed_late, lost, released,
 #: stepped_down, redis_down, redis_back), ``node``, ``term``, ``info`` (dict).
@@ -19,3 +23,25 @@ occurrence_handled = Signal(
 #: The overlap guard let a fire through because the previous run exceeded
 #: ``max_run_time``: ``schedule``, ``task_id`` (the old run), ``age`` (seconds).
 watchdog_fired = Signal(name="cluster_beat_watchdog", providing_args={"schedule", "task_id", "age"})
+
+
+class RunOutcome(StrEnum):
+    """What the worker-side ledger did with one delivery of a scheduled occurrence (``run_handled``)."""
+
+    STARTED = "started"  # first run of the occurrence
+    CONTINUED = "continued"  # a Celery retry (same task id) took the run over
+    RERUN = "rerun"  # redelivered after the previous start passed max_run_time (acks_late)
+    DUPLICATE_SKIPPED = "duplicate-skipped"  # another delivery holds or held the run: body not run
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    RETRIED = "retried"  # the body called self.retry(): the retry continues the occurrence
+    LEDGER_UNAVAILABLE = "ledger-unavailable"  # the claim database did not answer: body not run (see LedgerTask)
+
+
+#: The worker-side ledger handled one delivery: ``outcome`` (a :class:`RunOutcome`), ``schedule``,
+#: ``scheduled_at`` (aware UTC), ``task_id``, ``worker`` (hostname), ``runtime`` (seconds, on
+#: succeeded / failed / retried, else None), ``error`` (class and first line, or None).
+run_handled = Signal(
+    name="cluster_beat_run",
+    providing_args={"outcome", "schedule", "scheduled_at", "task_id", "worker", "runtime", "error"},
+)

@@ -17,7 +17,9 @@ ALLOWED = {
     "store": {"schedules"},
     "leader": set(),
     "config": {"leader", "schedules"},
-    "beat": {"config", "store", "leader", "schedules"},
+    "beat": {"config", "store", "leader", "schedules", "worker", "dynamic"},
+    "worker": {"store", "config", "schedules"},
+    "dynamic": {"store", "config", "leader", "schedules"},
 }
 SHARED = {"errors", "signals", "base", "faults"}
 

@@ -24,6 +24,25 @@ The decisions (:meth:`OverlapGuard.filter`) are apart from how states are
 read (:class:`ResultBackendStates`, injected), so the decision table can be
 exercised without a backend.
 
+Entries whose task uses the worker-side ledger (its class is a
+:class:`~celery_cluster_beat.worker.LedgerTask`, directly or through Celery's
+``task_cls``) are read from the ledger instead (the claim row of the last sent
+occurrence, one SELECT for all, injected as ``ledger``): a ``running`` or
+``retried`` row is in flight; a row sent (or claimed) whose run has not started
+is in flight while younger than ``max_run_time``; ``succeeded`` / ``failed``,
+skipped, missed or failed sends, and a pruned row free the schedule. That needs
+no result backend and works with ``ignore_result=True``.
+
+The default policy guards only what it can observe (:meth:`OverlapGuard.policy`):
+an explicit policy (the entry's ``overlap``, else a set ``cluster_beat_overlap``)
+is used as written; otherwise a ledger task is guarded (``skip``) even without a
+result backend, and a task that ignores its results (``ignore_result``, or
+``task_ignore_result`` for a task beat does not know) is not guarded, since its
+state would stay PENDING and every run would block the schedule for
+``max_run_time``. A start-up warning names those entries
+(:meth:`OverlapGuard.warn_about_configuration`), and an explicit guard on an
+entry nobody can observe is a start-up error (:func:`configuration_problems`).
+
 The watchdog: a run still *in flight* past ``max_run_time`` (a hung task, or a
 worker that died with it STARTED) no longer blocks: the next fire goes through,
 a warning is logged and ``watchdog_fired`` is sent, once per run. Under
@@ -43,7 +62,11 @@ from .. import signals
 from ..base import StrEnum
 from ..config import Entry, OverlapPolicy, Settings
 from ..config.celeryconf import has_result_backend
+from ..config.observing import configuration_problems, ignores_results, uses_ledger  # noqa: F401 (re-exported)
 from ..schedules.occurrence import Occurrence
+from ..store import ClaimStatus, StoreUnavailable
+from ..store.ledger import LedgerState
+from ..store.schema import RunState
 
 logger = logging.getLogger("celery_cluster_beat.guard")
 
@@ -68,6 +91,13 @@ Pair = Tuple[Entry, Occurrence]
 #: Reads task states: task ids in, ``{task id: state}`` out; a state is None when it
 #: cannot be read (the guard then fails open), PENDING when the backend has no record.
 StateReader = Callable[[Sequence[str]], Dict[str, Optional[str]]]
+#: Reads the ledger (``ClaimStore.run_states``): (schedule, nominal instant) keys in, the rows
+#: found out; a key without a row (never claimed, or pruned) is missing from the answer.
+LedgerReader = Callable[[Sequence[Tuple[str, datetime]]], Dict[Tuple[str, datetime], LedgerState]]
+#: Ledger run states after which the run no longer blocks.
+LEDGER_FINISHED = frozenset({RunState.SUCCEEDED.value, RunState.FAILED.value})
+#: Claim statuses whose occurrence never went to a worker: nothing of it can be in flight.
+NOT_SENT = frozenset({ClaimStatus.SKIPPED.value, ClaimStatus.MISSED.value, ClaimStatus.FAILED.value})
 
 
 @dataclass
@@ -149,9 +179,14 @@ class ResultBackendStates:
 class OverlapGuard:
     def __init__(self, app, settings: Settings, refresh: Optional[Callable[[List[str]], Iterable]] = None,
                  states: Optional[StateReader] = None, now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-                 ) -> None:
+                 ledger: Optional[LedgerReader] = None) -> None:
         self.app = app
         self.settings = settings
+        #: Reads ledger rows for entries whose task uses the ledger (``ClaimStore.run_states``); without
+        #: it those entries are read from the result backend like any other.
+        self.ledger = ledger
+        #: task name -> whether it uses the ledger (asked of the app once per task).
+        self._ledger_tasks: Dict[str, bool] = {}
         #: The scheduler's clock (the database's, corrected for this host's offset): a run's age
         #: is compared with times from the store, so it must be measured on the same clock.
         self.now = now
@@ -164,8 +199,26 @@ class OverlapGuard:
         self._buffer: Dict[str, Pair] = {}
         self._next_poll = 0.0
 
+    def uses_ledger(self, entry: Entry) -> bool:
+        """Whether *entry*'s runs are read from the ledger (its task uses it and a reader is injected)."""
+        if self.ledger is None:
+            return False
+        known = self._ledger_tasks.get(entry.task)
+        if known is None:
+            known = self._ledger_tasks[entry.task] = uses_ledger(self.app, entry.task)
+        return known
+
     def policy(self, entry: Entry) -> OverlapPolicy:
-        return entry.overlap or self.settings.overlap
+        """The entry's effective policy: an explicit one as written; the default guards only what it sees."""
+        if entry.overlap:
+            return entry.overlap
+        if self.settings.overlap_explicit:
+            return self.settings.overlap
+        if self.uses_ledger(entry):
+            return OverlapPolicy.SKIP  # the ledger sees every run, result backend or not
+        if self.settings.overlap != OverlapPolicy.ALLOW and ignores_results(self.app, entry):
+            return OverlapPolicy.ALLOW  # its state stays PENDING: guarding it would drop runs silently
+        return self.settings.overlap
 
     def max_run_time(self, entry: Entry) -> float:
         return entry.max_run_time if entry.max_run_time is not None else self.settings.max_run_time
@@ -173,7 +226,17 @@ class OverlapGuard:
     # -- start-up ------------------------------------------------------------------
     def warn_about_configuration(self, entries: Iterable[Entry]) -> None:
         """Say clearly when a guard policy cannot see what it needs to."""
-        guarded = sorted(e.name for e in entries if self.policy(e) != OverlapPolicy.ALLOW)
+        entries = list(entries)
+        unguarded = sorted(e.name for e in entries if not e.overlap and not self.settings.overlap_explicit
+                           and self.settings.overlap != OverlapPolicy.ALLOW
+                           and self.policy(e) == OverlapPolicy.ALLOW)
+        if unguarded:
+            names = ", ".join(unguarded[:5]) + (" ..." if len(unguarded) > 5 else "")
+            logger.warning(
+                "cluster-beat: overlap guard off for %s: the task ignores its results, so the result backend "
+                "cannot say when a run ends and runs may overlap. Use base=celery_cluster_beat.LedgerTask for "
+                "the task to guard it, or set overlap='allow' on the entry to silence this.", names)
+        guarded = sorted(e.name for e in entries if self.policy(e) != OverlapPolicy.ALLOW and not self.uses_ledger(e))
         if not guarded:
             return
         names = ", ".join(guarded[:5]) + (" ..." if len(guarded) > 5 else "")
@@ -218,6 +281,25 @@ class OverlapGuard:
             logger.debug("cluster-beat: %s: previous run %s is PENDING after %.0fs; treated as finished",
                          entry.name, last.task_id, age)
             return FREE
+        return self._overdue(entry, last, state, age, limit)
+
+    def _assess_ledger(self, entry: Entry, last: Optional[_LastRun], row: Optional[LedgerState],
+                       now: datetime) -> Verdict:
+        """The verdict from the last run's ledger row (see the module docstring)."""
+        if last is None or row is None or row.status in NOT_SENT or row.run_state in LEDGER_FINISHED:
+            return FREE
+        limit = self.max_run_time(entry)
+        if row.run_state is None:  # sent (or about to be), not started: queued, or lost on the way
+            since = row.sent_at or last.sent_at
+            age = (now - since).total_seconds()
+            return BUSY if age < limit else FREE
+        # running, or retried (Celery will deliver the retry): in flight since the last start
+        age = (now - (row.started_at or last.sent_at)).total_seconds()
+        if age < limit:
+            return BUSY
+        return self._overdue(entry, last, str(row.run_state), age, limit)
+
+    def _overdue(self, entry: Entry, last: _LastRun, state: str, age: float, limit: float) -> Verdict:
         if not last.watchdog_fired:
             last.watchdog_fired = True
             logger.warning("cluster-beat: watchdog: %s: previous run %s is still %s after %.0fs "
@@ -235,7 +317,11 @@ class OverlapGuard:
             return decision
         if self.refresh is not None:  # may raise the store's error: the caller retries the whole batch
             self.load(self.refresh(sorted({e.name for e, _ in guarded})))
-        states = self.states(sorted({self._last[e.name].task_id for e, _ in guarded if e.name in self._last}))
+        by_ledger = {e.name for e, _ in guarded if self._reads_ledger(e)}
+        states = self.states(sorted({self._last[e.name].task_id for e, _ in guarded
+                                     if e.name in self._last and e.name not in by_ledger}))
+        # May raise the store's error too: the caller retries the whole batch.
+        rows = self._ledger_rows(by_ledger)
         verdicts: Dict[str, Verdict] = {}
         taken: set = set()  # entries with an occurrence already sent in this batch
         for entry, occ in candidates:
@@ -246,7 +332,10 @@ class OverlapGuard:
             name = entry.name
             last = self._last.get(name)
             if name not in verdicts:
-                verdicts[name] = self._assess(entry, last, states.get(last.task_id) if last else None, now)
+                if name in by_ledger:
+                    verdicts[name] = self._assess_ledger(entry, last, rows.get(self._key(name)), now)
+                else:
+                    verdicts[name] = self._assess(entry, last, states.get(last.task_id) if last else None, now)
             verdict = verdicts[name]
             if name in taken:
                 # Catch-up sends several at once: the guard lets the first through only.
@@ -284,16 +373,41 @@ class OverlapGuard:
         self._next_poll = time.monotonic() + BUFFER_POLL
         if not self._buffer:
             return []
-        ids = sorted({self._last[name].task_id for name in self._buffer if name in self._last})
+        by_ledger = {name for name, (entry, _) in self._buffer.items() if self._reads_ledger(entry)}
+        ids = sorted({self._last[name].task_id for name in self._buffer if name in self._last and name not in by_ledger})
         states = self.states(ids)
+        try:
+            rows = self._ledger_rows(by_ledger)
+        except StoreUnavailable as exc:  # cannot tell: the buffered ones wait for the next poll
+            logger.warning("cluster-beat: cannot read the ledger for buffered runs (%s); they wait", exc)
+            return []
         out: List[Pair] = []
         for name, (entry, occ) in list(self._buffer.items()):
             last = self._last.get(name)
-            state = states.get(last.task_id) if last else None
-            if self._assess(entry, last, state, now) != BUSY:
+            if name in by_ledger:
+                verdict = self._assess_ledger(entry, last, rows.get(self._key(name)), now)
+            else:
+                verdict = self._assess(entry, last, states.get(last.task_id) if last else None, now)
+            if verdict != BUSY:
                 del self._buffer[name]
                 out.append((entry, occ))
         return out
+
+    def _reads_ledger(self, entry: Entry) -> bool:
+        """Whether this entry's last run is judged from the ledger: it uses it and the instant of
+        its last run is known (a run recorded before instants were kept is read the old way)."""
+        last = self._last.get(entry.name)
+        return self.uses_ledger(entry) and (last is None or last.at is not None)
+
+    def _key(self, name: str) -> Optional[Tuple[str, datetime]]:
+        last = self._last.get(name)
+        return (name, last.at) if last is not None and last.at is not None else None
+
+    def _ledger_rows(self, names: Iterable[str]) -> Dict[Tuple[str, datetime], LedgerState]:
+        keys = sorted({k for k in (self._key(n) for n in names) if k is not None})
+        if not keys or self.ledger is None:
+            return {}
+        return self.ledger(keys)
 
     def requeue(self, pairs: Sequence[Pair]) -> None:
         """Put back buffered occurrences that :meth:`ready` handed out but could not be claimed

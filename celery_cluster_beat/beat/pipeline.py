@@ -63,6 +63,8 @@ class Pending(NamedTuple):
     occ: Occurrence
     attempt: int = 1
     resent: bool = False
+    #: Sent as a catch-up after downtime (told to the worker in a header).
+    catchup: bool = False
 
 
 class SendPipeline:
@@ -96,6 +98,9 @@ class SendPipeline:
         self._claim_token: Optional[str] = None
         #: Our claimed rows must be handed over (release) once the store answers again.
         self._release_owed = False
+        #: Entries of schedules not held in memory, by name (stored schedules due later): a stale
+        #: claim of one is still resent. The scheduler sets it; without it such claims fail.
+        self.resolve: Callable[[List[str]], Dict[str, Entry]] = lambda names: {}
 
     # -- the scheduler's view ------------------------------------------------------
     def next_retry_in(self) -> Optional[float]:
@@ -143,8 +148,9 @@ class SendPipeline:
 
     # -- first sends ---------------------------------------------------------------
     def claim_and_send(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime, *,
-                       guarded: bool = True) -> None:
-        """Guard, claim (one statement), send what this node won."""
+                       guarded: bool = True, catchup: frozenset = frozenset()) -> None:
+        """Guard, claim (one statement), send what this node won. *catchup* holds the occurrences
+        sent as catch-up after downtime (their messages say so)."""
         if not claim or not self._still_leader():
             return
         replaces: Dict[Occurrence, str] = {}
@@ -178,7 +184,7 @@ class SendPipeline:
             if occ in replaces:
                 self.guard.revoke(replaces[occ])
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
-        self.send([Pending(entry_of[occ], occ) for occ in won], confirmed_at=confirmed_at)
+        self.send([Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at=confirmed_at)
 
     # -- the one publishing path ----------------------------------------------------
     def send(self, items: Sequence[Pending], *, confirmed_at: Optional[float] = None) -> None:
@@ -200,7 +206,7 @@ class SendPipeline:
                 return
             if not part:
                 continue
-            errors = self.publisher.publish([self._dispatch(p.entry, p.occ) for p in part])
+            errors = self.publisher.publish([self._dispatch(p.entry, p.occ, p) for p in part])
             # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
             # stop before the mark below (close() settles what is owed).
             self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
@@ -263,14 +269,16 @@ class SendPipeline:
                 return None
             confirmed_at = None
 
-    def _dispatch(self, entry: Entry, occ: Occurrence) -> Dispatch:
+    def _dispatch(self, entry: Entry, occ: Occurrence, pending: Optional[Pending] = None) -> Dispatch:
         options = entry.options
         jitter = entry.jitter if entry.jitter is not None else self.settings.jitter
         if jitter:
             delay = jitter_delay(entry.name, occ.at, jitter, entry.schedule.next_fire(occ.at))
             if delay:
                 options = dict(options, eta=occ.at + timedelta(seconds=delay))
-        return Dispatch(occ, entry.task, entry.args, entry.kwargs, options)
+        return Dispatch(occ, entry.task, entry.args, entry.kwargs, options,
+                        catchup=bool(pending and pending.catchup), attempt=pending.attempt if pending else 1,
+                        max_run_time=self.guard.max_run_time(entry))
 
     def _mark_sent(self) -> None:
         """Record what went out (:attr:`unmarked`); if the store is down, keep it to record later.
@@ -344,12 +352,17 @@ class SendPipeline:
             rows = self.store.take_over_stale(self.settings.claim_grace, term=self._term(), limit=SWEEP_CHUNK)
             retrying = {p.occ for _, _, p in self._retries}
             items = []
+            absent = sorted({occ.schedule for occ in rows if occ.schedule not in self.entries})
+            found = self.resolve(absent) if absent else {}
             for occ in rows:
                 if occ in retrying:  # our own failed publish, already queued for a retry
                     continue
-                entry = self.entries.get(occ.schedule)
-                if entry is None:
-                    self.store.mark_failed(occ, "entry no longer in beat_schedule", final=True)
+                entry = self.entries.get(occ.schedule) or found.get(occ.schedule)
+                if entry is None or not entry.enabled:
+                    # Never sent, and its schedule is gone or disabled: it ends here, with the reason.
+                    self.store.mark_failed(occ, "the schedule no longer exists (neither in beat_schedule nor "
+                                                "stored)" if entry is None else
+                                           "the schedule was disabled before this occurrence was sent", final=True)
                     continue
                 items.append(Pending(entry, occ, resent=True))
             if items:

@@ -15,12 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..schedules.instants import utc_iso
 from ..schedules.occurrence import Occurrence
+from ..worker.protocol import (HEADER_ATTEMPT, HEADER_CATCHUP, HEADER_MAX_RUN_TIME, HEADER_NODE, HEADER_SCHEDULE,
+                               HEADER_SCHEDULED_AT)
 
 logger = logging.getLogger("celery_cluster_beat.publisher")
-
-HEADER_SCHEDULE = "cluster_beat_schedule"
-HEADER_SCHEDULED_AT = "cluster_beat_scheduled_at"
-HEADER_NODE = "cluster_beat_node"
 
 CHUNK = 500
 
@@ -34,6 +32,12 @@ class Dispatch:
     args: tuple = ()
     kwargs: Dict[str, Any] = field(default_factory=dict)
     options: Dict[str, Any] = field(default_factory=dict)
+    #: Sent as a catch-up after downtime (header ``cluster_beat_catchup``).
+    catchup: bool = False
+    #: Which publish attempt this is (header ``cluster_beat_attempt``).
+    attempt: int = 1
+    #: The entry's effective max_run_time, for the worker's ledger (header ``cluster_beat_max_run_time``).
+    max_run_time: Optional[float] = None
 
 
 class Publisher:
@@ -69,9 +73,13 @@ class Publisher:
                 HEADER_SCHEDULE: d.occurrence.schedule,
                 HEADER_SCHEDULED_AT: utc_iso(d.occurrence.at),
                 HEADER_NODE: self.node_id,
+                HEADER_CATCHUP: d.catchup,
+                HEADER_ATTEMPT: d.attempt,
                 "celery_beat_task": True,
             }
         )
+        if d.max_run_time is not None:
+            headers[HEADER_MAX_RUN_TIME] = d.max_run_time
         task = self.app.tasks.get(d.task)
         if task is not None:
             task.apply_async(d.args, d.kwargs, task_id=d.occurrence.task_id, producer=producer, headers=headers, **options)

@@ -35,6 +35,10 @@ class Entry:
     catchup_window: Optional[float] = None
     enabled: bool = True
     description: str = ""
+    #: Where the entry comes from: None for ``beat_schedule``; for a stored schedule the
+    #: version of its definition (the leader's writes about it are conditional on it).
+    stored_version: Optional[int] = None
+    owner: Optional[str] = None
     # Celery's ScheduleEntry exposes these; tools that read beat's schedule expect them.
     last_run_at: Optional[datetime] = None
     total_run_count: int = 0
@@ -60,19 +64,22 @@ def _maybe(kind: Any, value: Any) -> Any:
     return None if value is None else kind(value)
 
 
-def build_entry(name: Any, spec: Any, app=None) -> Tuple[Optional[Entry], List[str]]:
-    """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems."""
+def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule entry"
+                ) -> Tuple[Optional[Entry], List[str]]:
+    """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems.
+
+    *label* names where the entry comes from in each problem (stored schedules say so)."""
     problems: List[str] = []
 
     def bad(field_name: str, reason: str) -> None:
-        problems.append(f"beat_schedule entry {name!r}: {field_name}: {reason}")
+        problems.append(f"{label} {name!r}: {field_name}: {reason}")
 
     if not isinstance(name, str) or not name:
-        return None, [f"beat_schedule entry {name!r}: name: expected a non-empty string"]
+        return None, [f"{label} {name!r}: name: expected a non-empty string"]
     if len(name) > MAX_NAME_LENGTH:
         bad("name", f"longer than {MAX_NAME_LENGTH} characters")
     if not isinstance(spec, Mapping):
-        return None, [f"beat_schedule entry {name!r}: expected a dict with 'task' and 'schedule', got {type(spec).__name__}"]
+        return None, [f"{label} {name!r}: expected a dict with 'task' and 'schedule', got {type(spec).__name__}"]
     for key in spec:
         if key not in CELERY_KEYS and key not in OUR_KEYS:
             bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")

@@ -45,6 +45,9 @@ class Settings:
     redis: Optional[RedisOptions] = None
     #: Names the lease: the nodes of one cluster share it, other clusters on the same Redis do not.
     cluster_name: str = "celery"
+    #: Whether ``cluster_beat_overlap`` was set: an explicit policy is honoured (or refused at start-up
+    #: when it cannot be), while the default guards only entries whose runs it can observe.
+    overlap_explicit: bool = False
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
@@ -122,6 +125,7 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         problems.append(f"setting cluster_beat_catchup_max: expected a positive integer, got {catchup_max!r}")
     overlap_default = OverlapPolicy.SKIP if has_result_backend() else OverlapPolicy.ALLOW
     overlap = choice("cluster_beat_overlap", overlap_default, OverlapPolicy)
+    overlap_explicit = bool(get("cluster_beat_overlap"))
     max_run_time = seconds("cluster_beat_max_run_time", 600.0)
     jitter = seconds("cluster_beat_jitter", 0.0, zero_ok=True)
     retention = seconds("cluster_beat_claim_retention", 7 * 86400.0)
@@ -152,4 +156,5 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         claim_grace=claim_grace,
         redis=redis,
         cluster_name=cluster_name,
+        overlap_explicit=overlap_explicit,
     )

@@ -1,6 +1,7 @@
 """Leadership: which replica schedules, and how we talk to Redis.
 
-Owns the Redis lease with its fencing term (:mod:`.lease`), the redis-py
+Owns the Redis lease with its fencing term (:mod:`.lease`), the notice that
+stored schedules changed (:mod:`.notices`), the redis-py
 client factory for every URL form a Celery user has: plain, TLS, Unix socket,
 Sentinel (:mod:`.redisconn`), and masking of passwords in URLs before anything
 is logged (:mod:`.urls`).

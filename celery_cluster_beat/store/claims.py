@@ -719,18 +719,24 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
         return int(value or 0)
 
     @_database_errors
-    def last_occurrences(self) -> dict[str, datetime]:
-        """Per schedule, where catch-up resumes: its latest recorded instant, or for a schedule
-        nothing was ever recorded of, the time a scheduling node first saw it (:meth:`register`)."""
+    def last_occurrences(self, names: Iterable[str] | None = None) -> dict[str, datetime]:
+        """Per schedule (only *names*, if given), where catch-up resumes: its latest recorded
+        instant, or for a schedule nothing was ever recorded of, the time a scheduling node
+        first saw it (:meth:`register`)."""
         t = schedules_table
-        rows = self._run(
-            lambda conn: conn.execute(
-                sa.select(t.c.name, sa.func.coalesce(t.c.last_occurrence, t.c.registered_at))
-                .where(sa.or_(t.c.last_occurrence.is_not(None), t.c.registered_at.is_not(None)))
-            ).all(),
-            write=False,
-        )
-        return {name: at for name, at in rows}
+        stmt = sa.select(t.c.name, sa.func.coalesce(t.c.last_occurrence, t.c.registered_at)).where(
+            sa.or_(t.c.last_occurrence.is_not(None), t.c.registered_at.is_not(None)))
+        if names is None:
+            return {name: at for name, at in self._run(lambda conn: conn.execute(stmt).all(), write=False)}
+        wanted = sorted(set(names))
+
+        def read(conn: Connection) -> dict[str, datetime]:
+            out: dict[str, datetime] = {}
+            for part in chunks(wanted, 500):
+                out.update((name, at) for name, at in conn.execute(stmt.where(t.c.name.in_(list(part)))))
+            return out
+
+        return self._run(read, write=False)
 
     @_database_errors
     def register(self, names: Sequence[str]) -> datetime:

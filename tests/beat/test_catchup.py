@@ -173,7 +173,7 @@ def test_none_sends_nothing_old_and_records_every_missed_occurrence(scene):
     assert s.sent() == []
     assert s.rows("report") == [(t, "sent")] + [(at, "missed") for at in missed]
     # The schedule itself goes on: the next occurrence is due at the next minute, not before.
-    assert s.scheduler._next_at["report"] == missed[-1] + MINUTE
+    assert s.scheduler._queue.get("report") == missed[-1] + MINUTE
 
 
 # ----------------------------------------------------------------------------- the window

@@ -769,12 +769,14 @@ NOT_TRACKED = "overlap guard on {names} with task_track_started=False"
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_start_up_warnings_when_the_guard_cannot_see_runs(redis_url, tmp_path):
-    """Real ``celery beat`` start-ups. A guard that cannot see what it needs to says so in the
-    log, naming the guarded entries; a configuration it can work with stays quiet."""
+    """Real ``celery beat`` start-ups. A guard asked for explicitly where nothing can see a run end
+    (no result backend, no ledger) refuses to start, naming the entry, the field and the fixes; a
+    guard that sees only part of it (no task_track_started) warns, naming the entries; a
+    configuration it can work with stays quiet."""
     cases = {
-        # name: (backend, conf, schedule extras, expected warning or None)
-        "skip-no-backend": (None, '{"cluster_beat_overlap": "skip"}', "", NO_BACKEND),
-        "entry-buffer-no-backend": (None, "{}", ', "overlap": "buffer_one"', NO_BACKEND),
+        # name: (backend, conf, schedule extras, expected warning, or ("error", text), or None)
+        "skip-no-backend": (None, '{"cluster_beat_overlap": "skip"}', "", ("error", "overlap (cluster_beat_overlap='skip'): 'skip'")),
+        "entry-buffer-no-backend": (None, "{}", ', "overlap": "buffer_one"', ("error", "overlap: 'buffer_one'")),
         "not-tracked": (redis_url, "{}", "", NOT_TRACKED),  # skip is the default with a backend
         "tracked": (redis_url, '{"task_track_started": True}', "", None),
         "allow-by-default": (None, "{}", "", None),  # no backend: the default policy is allow
@@ -793,6 +795,13 @@ def test_start_up_warnings_when_the_guard_cannot_see_runs(redis_url, tmp_path):
                            what=f"beat {label} to start")
         for label, (_, _, _, expected) in cases.items():
             log = started[label].log()
+            if isinstance(expected, tuple):  # refused at start-up: the entry, the field, how to fix it
+                procs.wait_for(lambda: not started[label].alive(), 20, what=f"beat {label} to exit")
+                log = started[label].log()
+                assert "cluster-beat: node" not in log, log
+                assert f"beat_schedule entry '{label}-entry': {expected[1]} cannot see when a run ends" in log, log
+                assert "LedgerTask" in log and "overlap='allow'" in log, log
+                continue
             assert "cluster-beat: node" in log, log
             warned = [line for line in log.splitlines() if "overlap guard on" in line]
             if expected is None:

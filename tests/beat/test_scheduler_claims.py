@@ -42,7 +42,8 @@ UTC = timezone.utc
 BROKER_DB = 7  # a Redis database of these tests' own; every app also has its own queue
 EVERY_SECOND = "{'tick': {'task': 't.record', 'schedule': every(1)}}"
 GRACE = 2.0  # cluster_beat_claim_grace for the process tests: keeps the resend wait short
-OUR_HEADERS = {"cluster_beat_schedule", "cluster_beat_scheduled_at", "cluster_beat_node", "celery_beat_task"}
+OUR_HEADERS = {"cluster_beat_schedule", "cluster_beat_scheduled_at", "cluster_beat_node", "cluster_beat_catchup",
+               "cluster_beat_attempt", "cluster_beat_max_run_time", "celery_beat_task"}
 
 
 # --------------------------------------------------------------------------- helpers

@@ -201,6 +201,10 @@ class Dialect:
         """Execution options of a connection whose transaction will write."""
         return {}
 
+    def refresh_statistics(self, conn: Connection, table: sa.Table) -> None:
+        """After a bulk insert: let the planner know the table grew (a no-op where the server
+        keeps its statistics current by itself)."""
+
     def is_deadlock(self, exc: sa.exc.DBAPIError) -> bool:
         """Whether the server aborted the transaction as a deadlock victim (so it may be retried).
 

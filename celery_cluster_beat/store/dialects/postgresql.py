@@ -63,6 +63,11 @@ class PostgreSQLDialect(Dialect):
             f"SET idle_in_transaction_session_timeout = {max(ms * 2, 1000)}",
         ]
 
+    def refresh_statistics(self, conn: Connection, table: sa.Table) -> None:
+        # Until autovacuum's analyse runs, a table that grew from empty is planned as tiny:
+        # lookups by name scan it whole, and each bulk load gets slower than the last.
+        conn.exec_driver_sql(f"ANALYZE {table.name}")
+
     def db_now(self, conn: Connection) -> datetime:
         # clock_timestamp(), not now(): the time of this read, not of the transaction's start.
         value = conn.exec_driver_sql("SELECT timezone('UTC', clock_timestamp())").scalar_one()

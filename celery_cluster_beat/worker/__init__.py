@@ -1,0 +1,16 @@
+"""The worker side: run each scheduled occurrence once, and let the task body know which it is.
+
+Owns the message protocol between beat and the worker (:mod:`.protocol`: the
+``cluster_beat_*`` header names, :class:`OccurrenceContext`) and the task base class
+(:mod:`.task`: :class:`LedgerTask`) that records each run in the claim store's
+ledger columns, so a second delivery of an occurrence is recognised and not run.
+The ledger's SQL lives in the store (:mod:`..store.ledger`); beat's overlap guard
+reads it back.
+
+May import: store, config, schedules, errors, signals, base. Never beat: a worker
+does not load the scheduler.
+"""
+from .protocol import OccurrenceContext
+from .task import LedgerTask, LedgerUnavailable, current_occurrence
+
+__all__ = ["LedgerTask", "LedgerUnavailable", "OccurrenceContext", "current_occurrence"]

@@ -5,6 +5,7 @@
 The package is one folder per concern; arrows point down only::
 
     beat      the Celery glue: Scheduler, send pipeline, overlap guard, catch-up, jitter
+    ops       operators' tools: the cluster-beat command, metrics, the HTTP status page
     worker    the task base class that runs each occurrence once (the ledger), the message headers
     dynamic   schedules made at run time: the StoredSchedules API, stored rows as entries
     config    cluster_beat_* settings, beat_schedule entries, Celery configuration knowledge

@@ -17,9 +17,10 @@ ALLOWED = {
     "store": {"schedules"},
     "leader": set(),
     "config": {"leader", "schedules"},
-    "beat": {"config", "store", "leader", "schedules", "worker", "dynamic"},
+    "beat": {"config", "store", "leader", "schedules", "worker", "dynamic", "ops"},
     "worker": {"store", "config", "schedules"},
     "dynamic": {"store", "config", "leader", "schedules"},
+    "ops": {"store", "config", "leader", "dynamic", "schedules"},
 }
 SHARED = {"errors", "signals", "base", "faults"}
 

@@ -286,7 +286,11 @@ class OverlapGuard:
     def _assess_ledger(self, entry: Entry, last: Optional[_LastRun], row: Optional[LedgerState],
                        now: datetime) -> Verdict:
         """The verdict from the last run's ledger row (see the module docstring)."""
-        if last is None or row is None or row.status in NOT_SENT or row.run_state in LEDGER_FINISHED:
+        if last is None or row is None or row.run_state in LEDGER_FINISHED:
+            return FREE
+        if row.run_state is None and row.status in NOT_SENT:
+            # Never went out, as far as anyone knows. (A 'failed' publish may still have reached a
+            # worker; once it starts, its run state says so and counts above this.)
             return FREE
         limit = self.max_run_time(entry)
         if row.run_state is None:  # sent (or about to be), not started: queued, or lost on the way
@@ -414,6 +418,10 @@ class OverlapGuard:
         (the store failed): they wait for the next try, not lost."""
         for entry, occ in pairs:
             self._buffer.setdefault(entry.name, (entry, occ))
+
+    def forget(self, name: str) -> Optional[Pair]:
+        """Drop the buffered occurrence of *name* (its schedule changed or went away); it, or None."""
+        return self._buffer.pop(name, None)
 
     def drop_buffered(self) -> List[Pair]:
         """Hand back and forget the buffered occurrences (this node stopped scheduling)."""

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from datetime import datetime, timedelta
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from .. import faults
 from ..config import Entry, Settings
@@ -101,6 +101,8 @@ class SendPipeline:
         #: Entries of schedules not held in memory, by name (stored schedules due later): a stale
         #: claim of one is still resent. The scheduler sets it; without it such claims fail.
         self.resolve: Callable[[List[str]], Dict[str, Entry]] = lambda names: {}
+        #: Names an operator paused (the scheduler's set): a stale claim of one is not resent.
+        self.paused: Set[str] = set()
 
     # -- the scheduler's view ------------------------------------------------------
     def next_retry_in(self) -> Optional[float]:
@@ -148,7 +150,7 @@ class SendPipeline:
 
     # -- first sends ---------------------------------------------------------------
     def claim_and_send(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime, *,
-                       guarded: bool = True, catchup: frozenset = frozenset()) -> None:
+                       guarded: bool = True, catchup: frozenset = frozenset(), reason: Optional[str] = None) -> None:
         """Guard, claim (one statement), send what this node won. *catchup* holds the occurrences
         sent as catch-up after downtime (their messages say so)."""
         if not claim or not self._still_leader():
@@ -173,7 +175,8 @@ class SendPipeline:
         # Read before the call: a pause after the commit but before the reply must count
         # against the confirmation, or the first chunk could go out after a takeover.
         confirmed_at = time.monotonic()
-        won = self.store.claim([occ for _, occ in claim], term=self._term(), token=token, resume=resume)
+        won = self.store.claim([occ for _, occ in claim], term=self._term(), token=token, resume=resume,
+                               reason=reason)
         self._claim_token = None
         won_set = set(won)
         entry_of = {occ: entry for entry, occ in claim}
@@ -320,6 +323,20 @@ class SendPipeline:
             self._retry_seq += 1
             heapq.heappush(self._retries, (time.monotonic() + delay, self._retry_seq, p._replace(attempt=p.attempt + 1)))
 
+    def forget(self, name: str, reason: str) -> None:
+        """Schedule *name* went away (removed, disabled, paused): its occurrences waiting for a
+        publish retry are not sent; their rows end ``failed`` with *reason*."""
+        mine = [p for _, _, p in self._retries if p.entry.name == name]
+        if not mine:
+            return
+        self._retries = [r for r in self._retries if r[2].entry.name != name]
+        heapq.heapify(self._retries)
+        for p in mine:
+            try:
+                self.store.mark_failed(p.occ, reason, final=True)
+            except StoreUnavailable:  # still claimed by us: a later sweep finds the schedule gone
+                self._store_trouble()
+
     # -- retries and resends ----------------------------------------------------------
     def run_retries(self) -> None:
         """Publish again the failed occurrences whose back-off has passed."""
@@ -358,6 +375,10 @@ class SendPipeline:
                 if occ in retrying:  # our own failed publish, already queued for a retry
                     continue
                 entry = self.entries.get(occ.schedule) or found.get(occ.schedule)
+                if entry is not None and occ.schedule in self.paused:
+                    self.store.mark_failed(occ, "the schedule was paused before this occurrence was sent",
+                                           final=True)
+                    continue
                 if entry is None or not entry.enabled:
                     # Never sent, and its schedule is gone or disabled: it ends here, with the reason.
                     self.store.mark_failed(occ, "the schedule no longer exists (neither in beat_schedule nor "

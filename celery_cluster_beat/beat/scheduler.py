@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from celery import beat
 
@@ -36,6 +36,7 @@ from .catchup import RECORD_LIMIT as CATCHUP_RECORD_LIMIT
 from .guard import OverlapGuard
 from .outcomes import Outcome, Reporter
 from .pipeline import SendPipeline
+from . import startup
 from .publisher import Publisher
 from .timeline import Timeline
 
@@ -68,12 +69,16 @@ class Scheduler(beat.Scheduler):
 
     def __init__(self, app, schedule=None, max_interval=None, Producer=None, lazy: bool = False,
                  sync_every_tasks=None, **kwargs) -> None:
+        #: Who runs us (celery beat, a worker's -B child or thread; None: built directly). Under Celery's
+        #: beat a configuration error ends the process with one message and status 1 (see .startup).
+        self._host = startup.beat_host()
         # Validate everything before anything is opened: one error lists every problem.
         problems: List[str] = []
         self.settings: Optional[Settings] = None
         self.entries: Dict[str, Entry] = {}
         try:
-            self.settings = load_settings(app.conf, has_result_backend=lambda: has_result_backend(app), app_name=app.main)
+            self.settings = load_settings(app.conf, has_result_backend=lambda: has_result_backend(app), app_name=app.main,
+                                          schedule_filename=kwargs.get("schedule_filename"))
         except ConfigError as exc:
             problems += exc.problems
         # Beat's banner instance (lazy) needs no entries; build them there only to report every problem.
@@ -87,7 +92,7 @@ class Scheduler(beat.Scheduler):
 
             problems += configuration_problems(app, self.settings, self.entries.values())
         if problems:
-            raise ConfigError(problems)
+            startup.refuse(ConfigError(problems), self._host, logger)
         self._store: Optional[ClaimStore] = None
         self._lease = None
         self._guard: Optional[OverlapGuard] = None
@@ -100,6 +105,11 @@ class Scheduler(beat.Scheduler):
         #: Names of the config's entries (``beat_schedule`` and Celery's defaults): never stored ones.
         self._static: frozenset = frozenset()
         self._stored_version = 0  # the change counter's value this node has applied
+        #: Within version _stored_version, the last name read, while more rows of it remain (one
+        #: change can write many rows: add_many).
+        self._stored_after: Optional[str] = None
+        #: Held stored schedules whose previous runs the overlap guard has yet to load (the store failed).
+        self._states_owed: Set[str] = set()
         self._horizon: Optional[datetime] = None  # stored schedules due before this are in memory
         self._version_read_at = float("-inf")
         self._changes_wanted = False
@@ -107,16 +117,33 @@ class Scheduler(beat.Scheduler):
         #: (name, version, next fire) of stored schedules to hand back to SQL once their next_at is written.
         self._evict_retry: List[Tuple[str, int, datetime]] = []
         self._evict_retry_at = 0.0
+        #: Operators' controls (``celery ... cluster-beat pause / resume / run-now``), read with the
+        #: same change counter: paused names, and run-now requests not handled yet.
+        self._paused: Set[str] = set()
+        self._controls_version = 0
+        self._run_requests: Dict[str, Tuple[str, datetime]] = {}
         self._next_prune = 0.0
         self._next_housekeeping = 0.0
         self._db_backoff_until = 0.0
         self._db_failures = 0
         self._db_down_since: Optional[float] = None
+        #: Set-up waits for the claim database or Redis (unreachable at start-up): tick() goes on with it.
+        self._setup_pending = False
+        self._setup_retry_at = 0.0
+        self._setup_outage: Optional[float] = None  # when the start-up outage began (logged once)
+        self._cluster_checked = False
+        #: A configuration error found in tick(): close() raises SystemExit with this status (see .startup).
+        self._exit_status = 0
         self._clock = NodeClock(self.settings.node_id)
+        self._ops = None  # the HTTP server (/metrics, /healthz, status page) when cluster_beat_http_port is set
         super().__init__(app, schedule=None, max_interval=max_interval, Producer=Producer, lazy=True,
                          sync_every_tasks=sync_every_tasks, **kwargs)
         if not lazy:
-            self.setup_schedule()
+            try:
+                self.setup_schedule()
+            except ConfigError as exc:  # a name clash, a newer schema, another cluster's lease, no driver
+                self.close()
+                startup.refuse(exc, self._host, logger)
 
     # -- set-up ----------------------------------------------------------------
     def _lease_name(self) -> str:
@@ -134,16 +161,83 @@ class Scheduler(beat.Scheduler):
         s = self.settings
         self.entries.update(build_entries(default_entries(self.app, self.entries), app=self.app))
         self._store = ClaimStore(s.db_url, node_id=s.node_id, lock_timeout=self._lock_timeout())
-        self._store.open()
-        self._store.check_names(self.entries)  # what the database cannot tell apart (a PAD SPACE collation)
         self._static = frozenset(self.entries)
-        clash = self._store.stored_get(sorted(self._static))
-        if clash:
-            raise ConfigError([f"beat_schedule entry {r.name!r} and the stored schedule {r.name!r}"
-                               f"{' of ' + repr(r.owner) if r.owner else ''} share a name: rename the entry "
-                               "or remove the stored schedule (StoredSchedules(app).remove(name))" for r in clash])
-        self._clock.measure(self._store.db_now)
-        self._store.heartbeat(scheduling=False, clock_offset=self._clock.offset, register=True)
+        if s.http_port is not None and self._ops is None:  # first: /healthz answers while the database is awaited
+            from ..ops.http import start_beat_server  # prometheus-client is imported only when asked for
+
+            self._ops = start_beat_server(self.app, s, sender=self, store=self._store, now=self._clock.now)
+        self._setup_pending = True
+        self._continue_setup()
+
+    def _setup_step(self) -> float:
+        """tick() while the set-up waits for the claim database or Redis: how long to sleep."""
+        try:
+            wait = self._continue_setup()
+        except ConfigError as exc:
+            self._config_error_later(exc)
+        else:
+            if not self._setup_pending:
+                return 0.001  # set up: the next tick schedules (or stands by)
+            return max(0.05, min(self.max_interval, wait))
+        return self.max_interval
+
+    def _setup_waits(self, what: str, exc: BaseException) -> None:
+        if self._setup_outage is None:
+            self._setup_outage = time.monotonic()
+            logger.warning("cluster-beat: %s is unreachable at start-up (%s); retrying with back-off, beat stays "
+                           "up and starts scheduling once it answers", what, exc)
+        else:
+            logger.debug("cluster-beat: %s still unreachable (%s)", what, exc)
+
+    def _continue_setup(self) -> float:
+        """The set-up that needs the claim database (and Redis, for the cluster check).
+
+        Done at once when both answer. An outage at start-up is not an error (an exit would be a
+        crash loop under systemd or Kubernetes): it is logged once, and tick() calls this again with
+        back-off until it succeeds. Returns how long to wait before the next try (0 when set up);
+        raises ConfigError for what no retry can fix (a name clash, a newer schema, another
+        cluster's lease, a missing driver).
+        """
+        if self._pipeline is None:
+            mono = time.monotonic()
+            if mono < self._db_backoff_until:
+                return self._db_backoff_until - mono
+            try:
+                self._store.open()
+                self._store.check_names(self.entries)  # what the database cannot tell apart (a PAD SPACE collation)
+                clash = self._store.stored_get(sorted(self._static))
+                if clash:
+                    raise ConfigError([f"beat_schedule entry {r.name!r} and the stored schedule {r.name!r}"
+                                       f"{' of ' + repr(r.owner) if r.owner else ''} share a name: rename the entry "
+                                       "or remove the stored schedule (StoredSchedules(app).remove(name))"
+                                       for r in clash])
+                self._clock.measure(self._store.db_now)
+                self._store.heartbeat(scheduling=False, clock_offset=self._clock.offset, register=True)
+            except StoreUnavailable as exc:
+                self._setup_waits("the claim store", exc)
+                self._db_trouble()
+                return max(0.0, self._db_backoff_until - time.monotonic())
+            self._db_ok()
+            if self._setup_outage is not None:
+                logger.info("cluster-beat: the claim store answers after %.1f s; start-up continues",
+                            time.monotonic() - self._setup_outage)
+                self._setup_outage = None
+            self._setup_store_users()
+        if self._lease is not None and not self._cluster_checked:
+            mono = time.monotonic()
+            if mono < self._setup_retry_at:
+                return self._setup_retry_at - mono
+            if not self._lease.check_cluster():  # Redis did not answer (the lease logs an outage once)
+                self._setup_retry_at = time.monotonic() + max(0.1, self._lease.retry_after())
+                return self._setup_retry_at - time.monotonic()
+            self._cluster_checked = True
+        self._setup_pending = False
+        self._setup_done()
+        return 0.0
+
+    def _setup_store_users(self) -> None:
+        """What works on the open store: the guard, the send pipeline, the lease."""
+        s = self.settings
         self._next_housekeeping = time.monotonic() + self._housekeeping_interval()
         self._guard = OverlapGuard(self.app, s, now=self._clock.now, ledger=self._store.run_states)
         self._guard.warn_about_configuration(self.entries.values())
@@ -153,20 +247,30 @@ class Scheduler(beat.Scheduler):
             on_store_trouble=self._db_trouble,
         )
         self._pipeline.resolve = self.resolve_stored
+        self._pipeline.paused = self._paused
         if s.redis is not None:
             from ..leader.lease import RedisLease
 
+            # (the cluster check, refusing two claim stores behind one lease, follows in _continue_setup)
             self._lease = RedisLease(s.redis.client, name=self._lease_name(), node_id=s.node_id,
                                      ttl=s.lock_ttl, on_event=self._on_lease_event, cluster_id=self._store.cluster_id)
-            self._lease.check_cluster()  # two claim stores behind one lease: refuse to start
             from ..leader.notices import ChangeNotices
 
             self._notices = ChangeNotices(s.redis.client, s.cluster_name)
+
+    def _setup_done(self) -> None:
+        s = self.settings
+        try:
+            stored = str(self._store.stored_count())
+        except StoreUnavailable:  # gone again already: the loop's back-off deals with it
+            stored = "?"
         logger.info(
-            "cluster-beat: node %s, %d entries, %d stored schedule(s), claims in %s, lease %s",
-            s.node_id, len(self.entries), self._store.stored_count(), mask_url(s.db_url),
+            "cluster-beat: node %s, %d entries, %s stored schedule(s), claims in %s, lease %s",
+            s.node_id, len(self.entries), stored, mask_url(s.db_url),
             f"{mask_url(s.redis_url)} (ttl {s.lock_ttl:g}s)" if s.redis_url else "off (replicas race on claims)",
         )
+        if self._ops is not None:
+            self._ops.attach(lease=self._lease, also_from=(self._guard,))
         if self._lease is None:
             # Replicas race for every fire: the guard must see the runs the other replicas sent.
             self._guard.refresh = self._store.schedule_states
@@ -218,6 +322,7 @@ class Scheduler(beat.Scheduler):
                 last.update((name, registered) for name in new)
             # The counter first: a change committed while the rows are read is applied again, harmlessly.
             version = self._store.stored_version()
+            controls = self._store.controls(active_only=True)
             horizon = now + timedelta(seconds=HORIZON)
             stored = self._store.stored_due(horizon)
             # The previous leader did not write next_at back for schedules it held in memory: resume
@@ -231,15 +336,23 @@ class Scheduler(beat.Scheduler):
                 self._lease.release()  # a node that cannot use the store must not keep others from it
             return
         self._db_ok()
+        self._paused.clear()
+        self._paused.update(c.name for c in controls if c.paused)
+        self._run_requests = {c.name: (c.run_request, c.run_requested_at) for c in controls
+                              if c.run_request and c.run_requested_at is not None}
+        self._controls_version = version
         fires: Dict[str, datetime] = {}
         for name, entry in self.entries.items():
-            if not entry.enabled:
+            if not entry.enabled or name in self._paused:
                 continue
             # Resume after the last recorded occurrence, or from when the schedule was first
             # seen: it does not catch up to before it existed.
             fires[name] = entry.schedule.next_fire(last.get(name, now))
         self._queue = Timeline(fires)
+        self._log_schedule(fires)
         self._stored_version = version
+        self._stored_after = None
+        self._states_owed = set()
         self._version_read_at = time.monotonic()
         self._changes_wanted = False
         self._horizon = horizon
@@ -249,6 +362,36 @@ class Scheduler(beat.Scheduler):
         self._next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
         self._pipeline.publisher.warm_up()
         self._housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
+
+    def _config_error_later(self, exc: ConfigError) -> None:
+        """A configuration error found by the set-up tick() finished: stop scheduling for good.
+
+        Under Celery's beat the process ends with status 1 and one message: SystemExit from here
+        ends beat's loop (which would exit 0), and close(), which the loop calls last, raises it
+        again with the status. Built directly, the scheduler logs it and stays closed."""
+        if self._host is None:
+            logger.error("cluster-beat: configuration error, the scheduler stops: %s", exc)
+            self.close()
+            return
+        startup.report(exc, self._host, logger)
+        if self._host != startup.THREAD:  # beat's thread must end quietly: the worker waits for it
+            self._exit_status = startup.EXIT_STATUS
+        self.close()
+        raise SystemExit(startup.EXIT_STATUS)
+
+    def _log_schedule(self, fires: Dict[str, datetime]) -> None:
+        """At debug level (``-l debug``), as plain beat's "Current schedule": one line per schedule."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        logger.debug("cluster-beat: node %s schedules %d beat_schedule entr%s (next fires in UTC):",
+                     self.settings.node_id, len(self._static), "y" if len(self._static) == 1 else "ies")
+        for name in sorted(self._static):
+            entry = self.entries.get(name)
+            if entry is None:
+                continue
+            at = fires.get(name)
+            nxt = at.isoformat() if at is not None else ("paused" if name in self._paused else "disabled")
+            logger.debug("cluster-beat: schedule %r: %s %r, next fire %s", name, entry.task, entry.schedule, nxt)
 
     def _deactivate(self, why: str) -> None:
         if self._active:
@@ -289,15 +432,20 @@ class Scheduler(beat.Scheduler):
         if self._closed:
             return self.max_interval
         try:
-            return self._tick()
+            wait = self._tick()
         except StaleTermError as exc:
             self._fenced_out(exc)
-            return 0.001
+            wait = 0.001
         except Exception:  # a bug or an unexpected library error must not end beat (Celery's beat swallows too)
             logger.exception("cluster-beat: unexpected error in the scheduling loop; continuing in 1 s")
-            return 1.0
+            wait = 1.0
+        if self._ops is not None:
+            self._ops.health.ticked(wait)  # /healthz: the loop ticked, and means to sleep this long
+        return wait
 
     def _tick(self) -> float:
+        if self._setup_pending:
+            return self._setup_step()
         mono = time.monotonic()
         if mono >= self._next_housekeeping and mono >= self._db_backoff_until:
             self._housekeep()
@@ -441,33 +589,70 @@ class Scheduler(beat.Scheduler):
             current = self.entries.get(row.name)
             if current is not None and (current.stored_version or 0) >= row.version:
                 continue  # already held at this version (or a newer one)
-            if row.deleted or not row.enabled or row.next_at is None:
-                self._drop(row.name)
+            if row.deleted or not row.enabled or row.next_at is None or row.name in self._paused:
+                why = ("paused" if row.name in self._paused else "removed" if row.deleted else "disabled")
+                self._drop(row.name, gone=why)
                 continue
             try:
                 entry = entry_from_row(row, app=self.app)
             except ConfigError as exc:  # written by another release, or by hand: never fire it half-read
                 logger.error("cluster-beat: stored schedule %r cannot be scheduled: %s", row.name, exc)
-                self._drop(row.name)
+                self._drop(row.name, gone="unreadable")
                 continue
+            if current is not None:
+                self._guard_forget(row.name, "changed")  # a buffered run of the old definition
             if row.next_at >= self._horizon:
                 self._drop(row.name)  # its next_at in SQL is exact: the window that covers it loads it
                 continue
-            at = row.next_at
+            # On the schedule's own instants (the zone it is read in here decides), from next_at on.
+            at = entry.schedule.next_fire(row.next_at - TINY)
             if last and row.name in last:  # held (it is before the horizon in SQL), from where it really is
                 at = max(at, entry.schedule.next_fire(last[row.name]))
             self.entries[row.name] = entry
             self._queue.set(row.name, at)
             held.append(row.name)
         if held:
-            self._guard.load(self._store.schedule_states(held))
+            self._states_owed.update(held)
+            self._load_states()
+
+    def _load_states(self) -> None:
+        """Give the overlap guard the previous runs of newly held stored schedules (kept owed when the
+        store fails: retried on the next pass, the schedules stay held meanwhile)."""
+        owed = sorted(self._states_owed)
+        try:
+            states = self._store.schedule_states(owed)
+        except StoreUnavailable as exc:
+            logger.warning("cluster-beat: cannot read the last runs of %d stored schedule(s) yet (%s)", len(owed), exc)
+            self._db_trouble()
+            return
+        self._guard.load(states)
+        self._states_owed.difference_update(owed)
+
+    def _guard_forget(self, name: str, why: str) -> None:
+        """A buffered (``buffer_one``) occurrence of a schedule that changed or went away is not sent:
+        it is recorded skipped, with the reason."""
+        pair = self._guard.forget(name)
+        if pair is None:
+            return
+        try:
+            self._store.record([pair[1]], status=ClaimStatus.SKIPPED, reason=f"buffered; the schedule was {why}",
+                               term=self._term())
+        except StoreUnavailable as exc:
+            logger.warning("cluster-beat: cannot record the buffered occurrence of %s as skipped (%s)", name, exc)
 
     def _clash(self, row) -> None:
         logger.error("cluster-beat: the stored schedule %r has the name of a beat_schedule entry; it is not "
                      "scheduled (remove it, or rename the entry)", row.name)
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, gone: Optional[str] = None) -> None:
+        """Stop holding stored schedule *name* in memory; *gone* (removed, disabled, paused ...) when
+        it must not fire at all: its buffered occurrence and pending publish retries go too."""
+        if gone is not None:
+            self._guard_forget(name, gone)
+            self._pipeline.forget(name, f"the schedule was {gone} before this occurrence was sent")
         if name in self._static:
+            if gone is not None:
+                self._queue.remove(name)
             return
         self.entries.pop(name, None)
         self._queue.remove(name)
@@ -499,16 +684,31 @@ class Scheduler(beat.Scheduler):
             self._version_read_at = mono
             self._changes_wanted = False
             version = self._store.stored_version()
-            while version > self._stored_version:
-                rows = self._store.stored_changes(self._stored_version, limit=CHANGE_BATCH)
-                if not rows:
-                    break
-                self._hold(rows)
-                self._stored_version = rows[-1].version
-                logger.info("cluster-beat: applied %d stored schedule change(s) (version %d)",
-                            len(rows), self._stored_version)
+            while version > self._stored_version or self._stored_after is not None:
+                rows = self._store.stored_changes(self._stored_version, after_name=self._stored_after,
+                                                  limit=CHANGE_BATCH)
+                if rows:
+                    self._hold(rows)
+                    self._stored_version, self._stored_after = rows[-1].version, rows[-1].name
+                    logger.info("cluster-beat: applied %d stored schedule change(s) (version %d)",
+                                len(rows), self._stored_version)
                 if len(rows) < CHANGE_BATCH:
+                    self._stored_after = None  # every row up to the counter's value is read
                     break
+            if self._stored_after is None:
+                self._stored_version = max(self._stored_version, version)
+            while version > self._controls_version:
+                changed = self._store.control_changes(self._controls_version, limit=CHANGE_BATCH)
+                if changed:
+                    self._apply_controls(changed)
+                    self._controls_version = changed[-1].version
+                if len(changed) < CHANGE_BATCH:
+                    self._controls_version = max(self._controls_version, version)
+                    break
+        if self._states_owed:
+            self._load_states()
+        if self._run_requests:
+            self._run_manual()
         now = self._clock.now()
         if (self._horizon - now).total_seconds() <= HORIZON / 2:
             horizon = now + timedelta(seconds=HORIZON)
@@ -517,7 +717,71 @@ class Scheduler(beat.Scheduler):
             self._hold(rows)
         if self._evict_retry and mono >= self._evict_retry_at:
             leaving, self._evict_retry = self._evict_retry, []
-            self._release_stored(leaving)
+            # Only what is still that fire: a schedule that fired since was handed back anew.
+            self._release_stored([(n, v, at) for n, v, at in leaving if self._queue.get(n) == at])
+
+    def _apply_controls(self, rows) -> None:
+        """Pause, resume and run-now, as operators asked (see :mod:`..store.controls`)."""
+        now = self._clock.now()
+        for row in rows:
+            if row.paused and row.name not in self._paused:
+                self._paused.add(row.name)
+                self._drop(row.name, gone="paused")
+                logger.info("cluster-beat: %s paused%s", row.name, f" by {row.paused_by}" if row.paused_by else "")
+            elif not row.paused and row.name in self._paused:
+                self._paused.discard(row.name)
+                self._resume(row.name, now)
+            if row.run_request and row.run_requested_at is not None:
+                self._run_requests[row.name] = (row.run_request, row.run_requested_at)
+
+    def _resume(self, name: str, now: datetime) -> None:
+        """Schedule a resumed schedule from now on: the time it was paused is not caught up."""
+        entry = self.entries.get(name) if name in self._static else None
+        if entry is None and name not in self._static:
+            rows = self._store.stored_get([name])
+            if not rows or not rows[0].enabled:
+                logger.info("cluster-beat: %s resumed (it is not an enabled schedule)", name)
+                return
+            try:
+                entry = entry_from_row(rows[0], app=self.app)
+            except ConfigError as exc:
+                logger.error("cluster-beat: stored schedule %r cannot be scheduled: %s", name, exc)
+                return
+            nxt = entry.schedule.next_fire(now)
+            if self._horizon is not None and nxt >= self._horizon:
+                self._release_stored([(name, rows[0].version, nxt)])
+                logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
+                return
+            self.entries[name] = entry
+        if entry is None or not entry.enabled:
+            return
+        nxt = entry.schedule.next_fire(now)
+        self._queue.set(name, nxt)
+        logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
+
+    def _run_manual(self) -> None:
+        """Send one occurrence per run-now request, at the request's instant, with reason ``manual``."""
+        requests, self._run_requests = self._run_requests, {}
+        known = {name: self.entries[name] for name in requests if name in self.entries}
+        missing = [name for name in requests if name not in known]
+        if missing:
+            known.update(self.resolve_stored(missing))
+        try:
+            for name, (request, at) in sorted(requests.items()):
+                entry = known.get(name)
+                if entry is None:
+                    logger.error("cluster-beat: run-now of %r: no such schedule; request dropped", name)
+                else:
+                    self._pipeline.claim_and_send([(entry, Occurrence(name, at))], self._clock.now(),
+                                                  guarded=False, reason="manual")
+                    if not self._active:  # lost the lease meanwhile: the next leader handles the request
+                        return
+                    logger.info("cluster-beat: %s: manual run for %s (request %s)", name, at.isoformat(), request)
+                self._store.finish_run_request(name, request)
+                del requests[name]
+        finally:
+            for name, req in requests.items():  # not handled (the store failed): try again next tick
+                self._run_requests.setdefault(name, req)
 
     def _release_stored(self, leaving: List[Tuple[str, int, datetime]]) -> None:
         """Hand stored schedules whose next fire is past the horizon back to SQL: record their
@@ -631,8 +895,14 @@ class Scheduler(beat.Scheduler):
         pass
 
     def close(self) -> None:
-        """Release the lease and the store; beat calls this twice on SIGTERM."""
+        """Release the lease and the store; beat calls this twice on SIGTERM.
+
+        After a configuration error found in tick() under Celery's beat, the call that ends
+        beat's loop raises SystemExit with the exit status (once; see :mod:`.startup`)."""
         if self._closed:
+            if self._exit_status:
+                status, self._exit_status = self._exit_status, 0
+                raise SystemExit(status)
             return
         self._closed = True
         self._active = False
@@ -647,3 +917,5 @@ class Scheduler(beat.Scheduler):
             self._notices.close()
         if self._store is not None:
             self._store.close()
+        if self._ops is not None:  # last: its shutdown must not delay the handover
+            self._ops.stop()

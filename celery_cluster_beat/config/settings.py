@@ -14,12 +14,17 @@ from typing import Any, Callable, List, Optional
 from ..base import MAX_NODE_ID_LENGTH
 from ..errors import ConfigError
 from ..leader.urls import mask_url
+from ..schedules.celery_types import local_zone
 from ..schedules.errors import ScheduleError
 from ..schedules.tzwall import get_zone
 from .celeryconf import RedisOptions, default_redis_url, redis_options
 from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
 
 DEFAULT_DB_URL = "sqlite:///celerybeat-cluster.sqlite3"
+#: Celery's default ``beat_schedule_filename``: with it (or none) the claim file keeps the name above.
+CELERY_SCHEDULE_FILENAME = "celerybeat-schedule"
+#: Appended to any other schedule file's path to name the claim database derived from it.
+DERIVED_DB_SUFFIX = "-cluster.sqlite3"
 
 
 #: Longest cluster name: it is part of Redis key names.
@@ -48,6 +53,12 @@ class Settings:
     #: Whether ``cluster_beat_overlap`` was set: an explicit policy is honoured (or refused at start-up
     #: when it cannot be), while the default guards only entries whose runs it can observe.
     overlap_explicit: bool = False
+    #: Port of beat's HTTP server (/metrics, /healthz, status page); None: no server, no metrics.
+    http_port: Optional[int] = None
+    #: Address the HTTP server binds to.
+    http_host: str = "127.0.0.1"
+    #: Whether metrics carry a ``schedule`` label (off for large schedule sets).
+    metrics_per_schedule: bool = True
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
@@ -57,10 +68,46 @@ class Settings:
         return f"Settings({shown})"
 
 
-def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name: Optional[str] = None) -> Settings:
+def default_db_url(conf: Any, schedule_filename: Any = None) -> str:
+    """The claim store's URL when ``cluster_beat_db_url`` is unset: derived from beat's schedule file.
+
+    The file is *schedule_filename* (``celery beat -s``, which only beat is given) or else
+    the conf's ``beat_schedule_filename``. Celery's default ``celerybeat-schedule`` (or
+    none) keeps :data:`DEFAULT_DB_URL`, ``celerybeat-cluster.sqlite3`` in the working
+    directory; any other file ``F`` gives ``sqlite:///<F made absolute>-cluster.sqlite3``.
+    Workers and the stored-schedules API read only the conf, so they agree with beat when
+    the file is set as ``beat_schedule_filename``; ``-s`` alone needs ``cluster_beat_db_url``.
+
+    :class:`ConfigError` naming the setting when the file name cannot make a SQLite URL.
+    """
+    if schedule_filename:
+        name, filename = "schedule_filename (celery beat -s)", schedule_filename
+    else:
+        name, filename = "beat_schedule_filename", conf.get("beat_schedule_filename")
+    if not filename:
+        return DEFAULT_DB_URL
+    try:
+        path = os.fspath(filename)
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise ConfigError(f"setting {name}: expected a file path, got {filename!r}")
+    path = os.path.abspath(path)
+    if path == os.path.abspath(CELERY_SCHEDULE_FILENAME):
+        return DEFAULT_DB_URL
+    if "?" in path or "%" in path:
+        raise ConfigError(f"setting {name}: {filename!r} contains '?' or '%', which a SQLite URL cannot carry "
+                          "as is; set cluster_beat_db_url")
+    return f"sqlite:///{path}{DERIVED_DB_SUFFIX}"
+
+
+def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name: Optional[str] = None,
+                  schedule_filename: Optional[str] = None) -> Settings:
     """Read and validate every ``cluster_beat_*`` setting from Celery's *conf*.
 
-    *app_name* (the Celery app's ``main``) is the default cluster name."""
+    *app_name* (the Celery app's ``main``) is the default cluster name. *schedule_filename*
+    (beat's ``-s``) names the default claim database when ``cluster_beat_db_url`` is unset
+    (:func:`default_db_url`)."""
     problems: List[str] = []
     get = conf.get
 
@@ -81,7 +128,13 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
             return None
         return kind(value)
 
-    db_url = get("cluster_beat_db_url") or DEFAULT_DB_URL
+    db_url = get("cluster_beat_db_url")
+    if not db_url:
+        try:
+            db_url = default_db_url(conf, schedule_filename)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            db_url = DEFAULT_DB_URL
     if not isinstance(db_url, str) or "://" not in db_url:
         problems.append(f"setting cluster_beat_db_url: expected an SQLAlchemy URL, got {db_url!r}")
 
@@ -119,6 +172,8 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
     catchup_window = get("cluster_beat_catchup_window")
     if catchup_window is not None:
         catchup_window = seconds("cluster_beat_catchup_window", None)
+    elif get("beat_cron_starting_deadline") is not None:  # Celery's own bound on late runs, as the default
+        catchup_window = seconds("beat_cron_starting_deadline", None)
     catchup_max = get("cluster_beat_catchup_max")
     catchup_max = 100 if catchup_max is None else catchup_max
     if isinstance(catchup_max, bool) or not isinstance(catchup_max, int) or catchup_max < 1:
@@ -131,10 +186,28 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
     retention = seconds("cluster_beat_claim_retention", 7 * 86400.0)
     prune_interval = seconds("cluster_beat_prune_interval", 60.0)
     claim_grace = seconds("cluster_beat_claim_grace", 10.0)
+    http_port = get("cluster_beat_http_port")
+    if http_port is not None and (isinstance(http_port, bool) or not isinstance(http_port, int)
+                                  or not 0 <= http_port <= 65535):
+        problems.append(f"setting cluster_beat_http_port: expected a port number 0-65535 (0: any free port) "
+                        f"or None (no HTTP server), got {http_port!r}")
+    http_host = get("cluster_beat_http_host")
+    http_host = "127.0.0.1" if http_host is None else http_host
+    if not isinstance(http_host, str) or not http_host.strip():
+        problems.append(f"setting cluster_beat_http_host: expected an address to bind to, got {http_host!r}")
+    per_schedule = get("cluster_beat_metrics_per_schedule")
+    per_schedule = True if per_schedule is None else per_schedule
+    if not isinstance(per_schedule, bool):
+        problems.append(f"setting cluster_beat_metrics_per_schedule: expected True or False, got {per_schedule!r}")
     zone = get("timezone")  # entries without a zone of their own follow it: check it before anything opens
     if isinstance(zone, str) and zone:
         try:
             get_zone(zone)
+        except ScheduleError as exc:
+            problems.append(f"setting timezone: {exc}")
+    elif not zone and not get("enable_utc", True):  # Celery's rule: the server's local zone
+        try:
+            local_zone()
         except ScheduleError as exc:
             problems.append(f"setting timezone: {exc}")
 
@@ -157,4 +230,7 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         redis=redis,
         cluster_name=cluster_name,
         overlap_explicit=overlap_explicit,
+        http_port=http_port,
+        http_host=http_host,
+        metrics_per_schedule=per_schedule,
     )

@@ -42,7 +42,8 @@ from ..config.celeryconf import default_entries
 from ..config.observing import configuration_problems
 from ..config.settings import Settings, load_settings
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
-from ..schedules.celery_types import as_schedule
+from ..schedules.celery_types import app_zone, as_schedule
+from ..schedules.tzwall import zone_name
 from ..schedules.text import parse_schedule_text, schedule_text
 from ..store import ClaimStore
 from ..store.stored import DEFINITION, StoredRow
@@ -155,6 +156,10 @@ class StoredSchedules:
             row["schedule"], row["zone"] = schedule_text(values["schedule"])
         except ScheduleError as exc:
             raise ConfigError(f"{LABEL} {name!r}: schedule: {exc}") from None
+        if row["zone"] is None and (not row["schedule"].startswith("every") or " from " in row["schedule"]):
+            # A wall-clock rule without a zone of its own is stored in the app's zone, so the leader
+            # reads it in the zone it was written for, whatever its own timezone setting says.
+            row["zone"] = zone_name(app_zone(self.app))
         for key, empty in (("args", []), ("kwargs", {}), ("options", {})):
             value = values.get(key)
             value = empty if value is None else value

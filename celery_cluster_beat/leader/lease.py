@@ -465,22 +465,27 @@ class RedisLease:
             f"cluster_beat_cluster_name (Redis key {self.cluster_key} names the store in use)."
         )
 
-    def check_cluster(self) -> None:
+    def check_cluster(self) -> bool:
         """Refuse (ForeignClusterError) when the lease belongs to another claim store.
 
         Called at start-up, so a misconfigured node stops with a message that
         says what to change instead of standing by forever. Redis being down
-        is not an error here: the acquire script checks again.
+        is not an error here: False (the outage is logged once, like any other
+        Redis call's, and :meth:`retry_after` says when to ask again); True once
+        Redis has answered (or there is no cluster id to check).
         """
         if not self.cluster_id:
-            return
-        try:
-            theirs = self._get_client().get(self.cluster_key)
-        except _REDIS_ERRORS as exc:
-            logger.debug("lease %r: cannot check the cluster id yet: %r", self.name, exc)
-            return
+            return True
+        with self._lock:
+            try:
+                theirs = self._get_client().get(self.cluster_key)
+            except _REDIS_ERRORS as exc:
+                self._note_down(exc, "check which claim store the lease serves")
+                return False
+            self._note_up()
         if theirs is not None and _text(theirs) != self.cluster_id:
             raise ForeignClusterError(self._foreign_message(_text(theirs)))
+        return True
 
     def renew(self) -> bool:
         """Extend our holding by ttl; False when we do not hold the lease (any more).

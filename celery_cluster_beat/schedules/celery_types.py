@@ -20,24 +20,53 @@ from .instants import UTC
 from .rules import CronRule, EveryRule, Interval, ScheduleRule
 from .tzwall import get_zone, zone_name
 
-__all__ = ["cron", "every", "ClusterSchedule", "as_schedule", "app_zone"]
+__all__ = ["cron", "every", "ClusterSchedule", "as_schedule", "app_zone", "local_zone"]
 
 
 def app_zone(app: Any) -> tzinfo:
-    """The zone of a Celery app's ``timezone`` setting; UTC when unset."""
-    name = app.conf.timezone
-    return get_zone(name if isinstance(name, str) else zone_name(name)) if name else UTC
+    """The zone of a Celery app's ``timezone`` setting, as Celery reads it.
+
+    Unset, it is UTC, unless ``enable_utc`` is False: then it is the server's local
+    zone (:func:`local_zone`), as Celery's ``app.timezone`` has it.
+    """
+    conf = app.conf
+    name = conf.timezone
+    if name:
+        return get_zone(name if isinstance(name, str) else zone_name(name))
+    if not getattr(conf, "enable_utc", True):  # Celery's rule: any false value
+        return local_zone()
+    return UTC
+
+
+def local_zone() -> tzinfo:
+    """The server's local zone as an IANA zone, found as Celery finds it (``celery.utils.time.timezone.local``:
+    ``tzlocal`` reads the ``TZ`` variable, then ``/etc/timezone``, ``/etc/localtime``...).
+
+    Replicas must compute the same instants, so a local zone without an IANA name (a POSIX
+    ``TZ`` rule such as ``<+03>-3``, a copied ``/etc/localtime``) is a :class:`ScheduleError`
+    asking for the ``timezone`` setting, never a guessed fixed offset.
+    """
+    from celery.utils.time import timezone as celery_zones
+
+    zone = celery_zones.local  # Celery logs why when it cannot find one
+    key = getattr(zone, "key", None)
+    if not key:
+        raise ScheduleError(f"enable_utc=False without a timezone means the server's local zone, which has no "
+                            f"IANA name here ({zone!r}): set timezone (e.g. 'Europe/London')")
+    return get_zone(key)
 
 
 class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
     """A rule that is also a Celery ``BaseSchedule``; without a zone of its own it
-    follows the app's ``timezone`` (UTC when unset)."""
+    follows the app's ``timezone`` (UTC when unset; the local zone with ``enable_utc=False``)."""
 
     def _fallback_zone(self) -> tzinfo:
         app = self._app
         if app is None:  # follows whichever app is current: resolve every time
             try:
                 return app_zone(self.app)
+            except ScheduleError:  # a zone the app names but we cannot use: never UTC in its place
+                raise
             except Exception:  # no current app: UTC, as documented
                 return UTC
         cached = getattr(self, "_zone_cache", None)
@@ -69,7 +98,8 @@ class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
 class cron(ClusterSchedule, CronRule):
     """A 5-field cron expression with Vixie semantics in an IANA zone.
 
-    ``tz=None`` follows the Celery app's ``timezone`` (UTC when unset).
+    ``tz=None`` follows the Celery app's ``timezone`` (UTC when unset, the server's local
+    zone when ``enable_utc`` is False, as in Celery).
     Invalid input raises :class:`ScheduleError` here, at construction, so a
     bad entry is reported at start-up rather than at its first fire.
     """
@@ -140,6 +170,12 @@ def as_schedule(value: Any, app=None) -> ClusterSchedule:
         return every(value.run_every, app=app)
     if isinstance(value, timedelta) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         return every(value, app=app)
+    if isinstance(value, celery_schedules.solar):
+        raise ScheduleError(
+            f"schedule {value!r}: Celery's solar schedules are not supported: their instants come from "
+            "astronomical floating-point arithmetic that replicas need not agree on to the second; use cron() "
+            "at a fixed wall time, or compute the times and store them as schedules"
+        )
     raise ScheduleError(
         f"schedule {value!r} is not supported: use cron(), every(), a cron expression string, "
         "celery's crontab or schedule, a timedelta or a number of seconds"

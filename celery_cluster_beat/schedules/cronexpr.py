@@ -8,13 +8,17 @@ something else on another tool is worse than an error at start-up.
 from __future__ import annotations
 
 import calendar
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import FrozenSet, Tuple
 
 from .errors import ScheduleError
 
-__all__ = ["CronSpec", "DayRule", "parse_cron", "FIELD_NAMES"]
+__all__ = ["CronSpec", "DayRule", "parse_cron", "FIELD_NAMES", "MAX_CRON_LENGTH"]
+
+#: Longest expression accepted (characters): a real one is a few dozen; longer text is refused up front.
+MAX_CRON_LENGTH = 1000
 
 FIELD_NAMES = ("minute", "hour", "day-of-month", "month", "day-of-week")
 _BOUNDS = {"minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31), "month": (1, 12), "day-of-week": (0, 7)}
@@ -33,6 +37,8 @@ SHORTHANDS = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+#: Fields are separated by ASCII blanks only, as in a crontab file (Unicode spaces are not separators).
+_BLANKS = re.compile(r"[ \t\n\r\f\v]+")
 _UNSUPPORTED_CHARS = {"L": "last-day", "W": "nearest-weekday", "#": "nth-weekday", "?": "no-specific-value", "H": "hashed"}
 
 
@@ -76,11 +82,25 @@ def _fail(expr: str, field: str, reason: str) -> ScheduleError:
     return ScheduleError(f"cron {expr!r}: {field} {reason}")
 
 
+def _ascii_digits(token: str) -> bool:
+    """Whether *token* is one or more ASCII digits (``str.isdigit`` also accepts '٣' and '²')."""
+    return token.isascii() and token.isdigit()
+
+
+def _check_characters(expr: str, field: str, text: str) -> None:
+    """Cron is ASCII: refuse other scripts' digits, superscripts, control characters... naming the field."""
+    for ch in text:
+        if not (ch.isascii() and ch.isprintable()):
+            kind = "a control character" if ch.isascii() else "not an ASCII character"
+            raise _fail(expr, field, f"{text!r} contains {ch!r} (U+{ord(ch):04X}), {kind}; cron fields are "
+                                     "ASCII digits, month or weekday names and '*', ',', '-', '/'")
+
+
 def _number(expr: str, field: str, token: str) -> int:
     names = _NAMES.get(field)
     if names and token.lower() in names:
         return names[token.lower()]
-    if not token.isdigit():
+    if not _ascii_digits(token):
         if names:
             kind = "month" if field == "month" else "weekday"
             return _raise(expr, field, f"{token!r} is not a number or a {kind} name")
@@ -109,7 +129,7 @@ def _parse_field(expr: str, field: str, text: str) -> FrozenSet[int]:
         step = 1
         if "/" in term:
             base, _, step_text = term.partition("/")
-            if not step_text.isdigit():
+            if not _ascii_digits(step_text):
                 raise _fail(expr, field, f"step {step_text!r} in {term!r} is not a number")
             step = int(step_text)
             if step == 0:
@@ -169,21 +189,35 @@ def _check_can_fire(expr: str, days: FrozenSet[int], months: Tuple[int, ...], do
 
 
 def parse_cron(expr: str, *, day_rule: DayRule = DayRule.VIXIE) -> CronSpec:
-    """Parse *expr* into a :class:`CronSpec`, raising :class:`ScheduleError` on any problem."""
+    """Parse *expr* into a :class:`CronSpec`, raising :class:`ScheduleError` on any problem.
+
+    Any text gives a spec or a :class:`ScheduleError` naming the field (or the whole
+    expression), never another exception: cron is ASCII, so other scripts' digits
+    ('٣', which ``int`` would read as 3), superscripts and control characters are
+    refused, and so is text longer than :data:`MAX_CRON_LENGTH`.
+    """
     if not isinstance(expr, str):
         raise ScheduleError(f"cron {expr!r}: expression must be a string, not {type(expr).__name__}")
-    text = " ".join(expr.split())
+    if len(expr) > MAX_CRON_LENGTH:
+        raise ScheduleError(f"cron {expr[:40]!r}...: expression of {len(expr)} characters is too long "
+                            f"(at most {MAX_CRON_LENGTH})")
+    fields = [part for part in _BLANKS.split(expr) if part]
+    shorthand = bool(fields) and fields[0].startswith("@")
+    for i, part in enumerate(fields):
+        named = FIELD_NAMES[i] if i < len(FIELD_NAMES) and not shorthand else "expression"
+        _check_characters(expr, named, part)
+    text = " ".join(fields)
     if text.startswith("@"):
         key = text.lower()
         if key == "@reboot":
-            raise ScheduleError(f"cron {expr!r}: @reboot is not supported (a scheduler has no boot time)")
+            raise ScheduleError(f"cron {expr!r}: expression @reboot is not supported (a scheduler has no boot time)")
         if key.startswith("@every"):
-            raise ScheduleError(f"cron {expr!r}: @every is not supported; use every(seconds) instead")
+            raise ScheduleError(f"cron {expr!r}: expression @every is not supported; use every(seconds) instead")
         if key not in SHORTHANDS:
-            raise ScheduleError(f"cron {expr!r}: unknown shorthand {text!r}; supported: {', '.join(SHORTHANDS)}")
+            raise ScheduleError(f"cron {expr!r}: expression {text!r} is not a known shorthand; "
+                                f"supported: {', '.join(SHORTHANDS)}")
         spec = parse_cron(SHORTHANDS[key], day_rule=day_rule)
         return CronSpec(**{**spec.__dict__, "text": expr})
-    fields = text.split(" ") if text else []
     if len(fields) != 5:
         extra = " (seconds and year fields are not supported)" if len(fields) in (6, 7) else ""
         raise ScheduleError(

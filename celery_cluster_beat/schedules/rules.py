@@ -100,6 +100,8 @@ class CronRule(ScheduleRule):
     """
 
     def __init__(self, expr: str, tz: Any = None, *, _spec: Optional[CronSpec] = None) -> None:
+        if _spec is None and not isinstance(expr, str):  # before the cache: a list is not even hashable
+            raise ScheduleError(f"cron {expr!r}: expected the expression as text, got {type(expr).__name__}")
         self.spec = _spec if _spec is not None else _parse(expr)
         self.expr = expr
         self.tz_name = _zone_name(f"cron {expr!r}", tz)

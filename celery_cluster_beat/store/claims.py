@@ -56,7 +56,9 @@ from .dialects import SUPPORTED_BACKENDS, dialect_for
 from .dialects.base import KEY_COLUMNS, ClaimValues, KeyedUpdate, Merge, chunks, claim_key, new_token
 from .errors import SchemaVersionError, StaleTermError, StoreUnavailable
 from .errors import database_errors as _database_errors
+from .controls import ControlQueries
 from .ledger import LedgerQueries
+from .opsqueries import OpsQueries
 from .stored import StoredScheduleQueries
 from .schema import (
     CLAIM_KEY,
@@ -116,7 +118,7 @@ def _unique(occurrences: Iterable[Occurrence]) -> list[Occurrence]:
     return out
 
 
-class ClaimStore(LedgerQueries, StoredScheduleQueries):
+class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQueries):
     """Atomic, fenced claims of occurrences in a SQL database shared by all replicas."""
 
     def __init__(
@@ -153,6 +155,9 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
         self._open_lock = threading.Lock()
         self._dialect = dialect_for(backend)
         self._cluster_id: str | None = None
+        #: Called after each transaction with its duration (seconds, retries included) and whether it
+        #: succeeded (False: the database failed it); the metrics hook in here. Must not raise.
+        self.observer: Callable[[float, bool], None] | None = None
 
     @property
     def cluster_id(self) -> str:
@@ -179,7 +184,10 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
         with self._open_lock:
             if self._engine is not None:
                 return
-            engine = sa.create_engine(self._url, **self._build_engine_options())
+            try:
+                engine = sa.create_engine(self._url, **self._build_engine_options())
+            except (ImportError, sa.exc.NoSuchModuleError) as exc:  # no driver: not an outage to retry
+                raise ConfigError(self._driver_problem(exc)) from None
             self._dialect.install_events(engine, self._lock_timeout)
             try:
                 self._prepare_schema(engine)
@@ -189,6 +197,24 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
                 raise
             self._engine = engine
             logger.debug("claim store open: %s (node %s)", self.url_masked, self.node_id)
+
+    #: Per backend: the driver we test with, in its URL form, and the extra that installs it.
+    _DRIVERS = {"postgresql": ("psycopg", "postgres"), "mysql": ("pymysql", "mysql"), "mariadb": ("pymysql", "mysql")}
+
+    def _driver_problem(self, exc: BaseException) -> str:
+        """What to do when SQLAlchemy cannot load the URL's database driver."""
+        backend = self._url.get_backend_name()
+        if isinstance(exc, ImportError):
+            what = f"its driver module {exc.name or str(exc)!r} is not installed"
+        else:
+            what = f"SQLAlchemy has no driver {self._url.get_driver_name()!r} for {backend}"
+        problem = f"setting cluster_beat_db_url: {self.url_masked}: {what}"
+        if backend not in self._DRIVERS:
+            return problem
+        driver, extra = self._DRIVERS[backend]
+        suggested = self._url.set(drivername=f"{backend}+{driver}").render_as_string(hide_password=True)
+        return (f"{problem}; use the URL form {backend}+{driver}:// ({suggested}) and install the driver "
+                f"with pip install 'celery-cluster-beat[{extra}]'")
 
     @_database_errors
     def close(self) -> None:
@@ -307,16 +333,26 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
         Retrying is safe because the whole transaction was rolled back.
         """
         engine = self._require_engine()
-        for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
-            try:
-                with self._connection(engine, write=write) as conn, conn.begin():
-                    return work(conn)
-            except sa.exc.DBAPIError as exc:
-                if attempt == _DEADLOCK_ATTEMPTS or not self._dialect.is_deadlock(exc):
-                    raise StoreUnavailable.wrap(exc, self.url_masked) from exc
-                logger.info("claim store: deadlock (attempt %d), retrying: %s", attempt, exc.orig)
-                time.sleep(random.uniform(0.005, 0.05) * attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
+        started, ok = time.monotonic(), True
+        try:
+            for attempt in range(1, _DEADLOCK_ATTEMPTS + 1):
+                try:
+                    with self._connection(engine, write=write) as conn, conn.begin():
+                        return work(conn)
+                except sa.exc.DBAPIError as exc:
+                    if attempt == _DEADLOCK_ATTEMPTS or not self._dialect.is_deadlock(exc):
+                        ok = False
+                        raise StoreUnavailable.wrap(exc, self.url_masked) from exc
+                    logger.info("claim store: deadlock (attempt %d), retrying: %s", attempt, exc.orig)
+                    time.sleep(random.uniform(0.005, 0.05) * attempt)
+            raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            observer = self.observer
+            if observer is not None:
+                try:
+                    observer(time.monotonic() - started, ok)
+                except Exception:  # metrics must never fail a transaction
+                    logger.debug("claim store: observer failed", exc_info=True)
 
     def _now(self, conn: Connection) -> datetime:
         return self._dialect.db_now(conn)
@@ -393,7 +429,7 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
 
     @_database_errors
     def claim(self, occurrences: Sequence[Occurrence], *, term: int | None = None, token: str | None = None,
-              resume: bool = False) -> list[Occurrence]:
+              resume: bool = False, reason: str | None = None) -> list[Occurrence]:
         """Claim occurrences for sending; only the returned ones may be sent by this node.
 
         One transaction: fence with *term*, insert-if-absent every
@@ -405,10 +441,12 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries):
         error (a commit whose reply was lost) passes the failed attempt's token:
         rows that attempt wrote count as won, not as claimed by another node.
 
+        *reason* stays on the rows (``manual`` for an operator's run-now).
+
         Raises StaleTermError (and writes nothing) when a higher term than
         *term* is recorded.
         """
-        won = self._insert(occurrences, status=ClaimStatus.CLAIMED, reason=None, term=term,
+        won = self._insert(occurrences, status=ClaimStatus.CLAIMED, reason=reason, term=term,
                            token=token or new_token(), resume=resume)
         faults.hit("claim-committed", error=StoreUnavailable)  # committed; the reply may yet be lost
         return won

@@ -240,6 +240,26 @@ stored_schedules_table = sa.Table(
     **_MYSQL_TABLE,
 )
 
+controls_table = sa.Table(
+    "cluster_beat_controls",
+    metadata,
+    # Operators' actions on a schedule, config or stored alike (celery ... cluster-beat pause /
+    # resume / run-now): kept apart from the definitions so a config entry can be paused too,
+    # and stamped with the change counter so the leader reads only what changed.
+    sa.Column("name", NameType(MAX_NAME_LENGTH), primary_key=True),
+    sa.Column("paused", sa.Boolean(), nullable=False, server_default=sa.false()),
+    sa.Column("paused_at", UTCDateTime(), nullable=True),
+    sa.Column("paused_by", sa.String(MAX_NAME_LENGTH), nullable=True),
+    # A pending "run now" request: its id, and the database's time it was asked, which becomes
+    # the manual occurrence's instant. A second request while one is pending joins it.
+    sa.Column("run_request", sa.String(36), nullable=True),
+    sa.Column("run_requested_at", UTCDateTime(), nullable=True),
+    sa.Column("run_requested_by", sa.String(MAX_NAME_LENGTH), nullable=True),
+    sa.Column("version", sa.BigInteger(), nullable=False),
+    sa.Index("ix_cluster_beat_controls_version", "version"),
+    **_MYSQL_TABLE,
+)
+
 schedule_version_table = sa.Table(
     "cluster_beat_schedule_version",
     metadata,

@@ -140,10 +140,15 @@ class StoredScheduleQueries:
         return int(self._run(work))
 
     @database_errors
-    def stored_changes(self, since: int, *, limit: int = 1000) -> List[StoredRow]:
-        """Rows changed after version *since* (tombstones included), oldest change first."""
+    def stored_changes(self, since: int, *, after_name: Optional[str] = None, limit: int = 1000) -> List[StoredRow]:
+        """Rows changed after version *since* (tombstones included), oldest change first, by name
+        within a version. With *after_name*, the rest of version *since* after that name comes
+        first: one change can write more rows than one read takes (``add_many``)."""
         t = stored_schedules_table
-        stmt = (sa.select(*(t.c[f] for f in _FIELDS)).where(t.c.version > since)
+        newer = t.c.version > since
+        if after_name is not None:
+            newer = sa.or_(newer, sa.and_(t.c.version == since, t.c.name > after_name))
+        stmt = (sa.select(*(t.c[f] for f in _FIELDS)).where(newer)
                 .order_by(t.c.version, t.c.name).limit(limit))
         return [_row(r) for r in self._run(lambda conn: conn.execute(stmt).all(), write=False)]
 

@@ -53,7 +53,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from .. import signals
 from ..base import MAX_NODE_ID_LENGTH, clip
-from ..config.settings import DEFAULT_DB_URL
+from ..config.settings import default_db_url
 from ..signals import RunOutcome
 from ..store import ClaimStore, StoreUnavailable
 from ..store.ledger import RunStart, StartOutcome, error_summary
@@ -88,7 +88,7 @@ def ledger_store(app: Any) -> ClaimStore:
     One per process and URL: a pool child opens its own after the fork, never
     reusing connections its parent made. Threads of one process share it.
     """
-    url = app.conf.get("cluster_beat_db_url") or DEFAULT_DB_URL
+    url = app.conf.get("cluster_beat_db_url") or default_db_url(app.conf)  # beat_schedule_filename, as beat
     key = (os.getpid(), url)
     store = _stores.get(key)
     if store is not None:
@@ -166,7 +166,7 @@ class LedgerTask(Task):
             self._finish(occ, worker, token, RunState.RETRIED, time.monotonic() - began, None)
             raise
         except Reject as exc:
-            if exc.requeue:  # the message comes back: its next delivery must start afresh
+            if exc.requeue and self.acks_late:  # the message comes back: its next delivery starts afresh
                 self._release(occ, token)
             else:
                 self._finish(occ, worker, token, RunState.FAILED, time.monotonic() - began, error_summary(exc))
@@ -177,7 +177,11 @@ class LedgerTask(Task):
         except BaseException as exc:
             self._finish(occ, worker, token, RunState.FAILED, time.monotonic() - began, error_summary(exc))
             raise
-        self._finish(occ, worker, token, RunState.SUCCEEDED, time.monotonic() - began, None)
+        if getattr(request, "_cluster_beat_retried", False):
+            # self.retry(throw=False): the retry is on its way and continues this run.
+            self._finish(occ, worker, token, RunState.RETRIED, time.monotonic() - began, None)
+        else:
+            self._finish(occ, worker, token, RunState.SUCCEEDED, time.monotonic() - began, None)
         return retval
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True, eta: Any = None,
@@ -188,8 +192,13 @@ class LedgerTask(Task):
             headers = self._occurrence_headers()
             if headers:
                 options["headers"] = {**headers, **(options.get("headers") or {})}
-        return super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta, countdown=countdown,
-                             max_retries=max_retries, **options)
+        result = super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta, countdown=countdown,
+                               max_retries=max_retries, **options)
+        if not self.request.called_directly:
+            # Reached only with throw=False (else Retry was raised): the body returns normally
+            # after this, but the run goes on in the retry: record it 'retried', not 'succeeded'.
+            self.request._cluster_beat_retried = True
+        return result
 
     # -- the ledger's steps ------------------------------------------------------------
     def _max_run_time(self, occ: OccurrenceContext) -> Optional[float]:

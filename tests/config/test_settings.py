@@ -2,11 +2,13 @@
 Redis client built from exactly the options that were validated. Pure: no server is reached."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from celery import Celery
 
 from celery_cluster_beat.config import CatchupPolicy, OverlapPolicy, load_settings
-from celery_cluster_beat.config.settings import DEFAULT_DB_URL
+from celery_cluster_beat.config.settings import DEFAULT_DB_URL, default_db_url
 from celery_cluster_beat.errors import ConfigError
 
 
@@ -85,3 +87,90 @@ def test_a_password_in_a_url_never_shows_in_the_settings_repr():
              cluster_beat_redis_url="redis://:hunter2@127.0.0.1:6379/0")
     text = repr(load_settings(c, has_result_backend=lambda: False))
     assert "s3cret" not in text and "hunter2" not in text
+
+
+# --------------------------------------------------------------------------- Celery's own settings
+
+
+def test_beat_cron_starting_deadline_is_the_default_catchup_window():
+    """Celery's bound on late cron runs becomes the catch-up window when ours is unset."""
+    s = load_settings(conf(beat_cron_starting_deadline=300), has_result_backend=lambda: False)
+    assert s.catchup_window == 300.0
+
+
+def test_an_explicit_catchup_window_wins_over_beat_cron_starting_deadline():
+    s = load_settings(conf(beat_cron_starting_deadline=300, cluster_beat_catchup_window=60),
+                      has_result_backend=lambda: False)
+    assert s.catchup_window == 60.0
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "soon", True])
+def test_a_bad_beat_cron_starting_deadline_is_reported_naming_it(bad):
+    """The same seconds check as cluster_beat_catchup_window, naming Celery's setting."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf(beat_cron_starting_deadline=bad), has_result_backend=lambda: False)
+    assert info.value.problems == [info.value.problems[0]]
+    assert info.value.problems[0].startswith("setting beat_cron_starting_deadline: ")
+
+
+def test_celery_default_schedule_file_keeps_the_historic_claim_file():
+    """Neither -s nor beat_schedule_filename (or Celery's default for either): celerybeat-cluster.sqlite3."""
+    assert default_db_url(conf()) == DEFAULT_DB_URL == "sqlite:///celerybeat-cluster.sqlite3"
+    assert default_db_url(conf(), "celerybeat-schedule") == DEFAULT_DB_URL
+    assert default_db_url(conf(), os.path.abspath("celerybeat-schedule")) == DEFAULT_DB_URL
+    assert default_db_url(conf(beat_schedule_filename="./celerybeat-schedule")) == DEFAULT_DB_URL
+    assert default_db_url(conf(beat_schedule_filename=None)) == DEFAULT_DB_URL
+
+
+def test_another_schedule_file_names_the_claim_file_beside_it(tmp_path):
+    """``F`` -> ``sqlite:///<F made absolute>-cluster.sqlite3``; -s wins over the conf."""
+    sched = tmp_path / "beat" / "schedule.db"
+    assert default_db_url(conf(beat_schedule_filename=str(sched))) == f"sqlite:///{sched}-cluster.sqlite3"
+    assert default_db_url(conf(beat_schedule_filename=sched)) == f"sqlite:///{sched}-cluster.sqlite3"  # a Path
+    assert default_db_url(conf(beat_schedule_filename="elsewhere"), str(sched)) == f"sqlite:///{sched}-cluster.sqlite3"
+    relative = default_db_url(conf(beat_schedule_filename="var/beat-schedule"))
+    assert relative == f"sqlite:///{os.path.abspath('var/beat-schedule')}-cluster.sqlite3"
+    assert relative.startswith("sqlite:////"), "absolute: the log says exactly which file"
+
+
+def test_load_settings_takes_beat_s_and_an_explicit_db_url_wins(tmp_path):
+    sched = str(tmp_path / "s")
+    s = load_settings(conf(), has_result_backend=lambda: False, schedule_filename=sched)
+    assert s.db_url == f"sqlite:///{sched}-cluster.sqlite3"
+    s = load_settings(conf(cluster_beat_db_url="sqlite:///x.sqlite3"), has_result_backend=lambda: False,
+                      schedule_filename=sched)
+    assert s.db_url == "sqlite:///x.sqlite3"
+    s = load_settings(conf(beat_schedule_filename=sched), has_result_backend=lambda: False)
+    assert s.db_url == f"sqlite:///{sched}-cluster.sqlite3"
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"beat_schedule_filename": 42}, "setting beat_schedule_filename:"),
+    ({"beat_schedule_filename": "/tmp/what?mode=ro"}, "setting beat_schedule_filename:"),
+    ({"beat_schedule_filename": "/tmp/100%"}, "setting beat_schedule_filename:"),
+])
+def test_a_schedule_file_that_cannot_name_a_sqlite_file_is_reported(bad, named):
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf(**bad), has_result_backend=lambda: False)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith(named), info.value.problems
+    assert "cluster_beat_db_url" in info.value.problems[0] or "file path" in info.value.problems[0]
+
+
+def test_a_bad_beat_s_is_reported_naming_it():
+    with pytest.raises(ConfigError, match=r"setting schedule_filename \(celery beat -s\)"):
+        load_settings(conf(), has_result_backend=lambda: False, schedule_filename="/tmp/a?b")
+
+
+def test_without_enable_utc_and_timezone_the_zone_is_the_local_one():
+    """Celery's rule; the local zone here is whatever the host has (the subprocess tests set TZ)."""
+    from celery import Celery
+
+    from celery_cluster_beat.schedules.celery_types import app_zone, local_zone
+    from celery_cluster_beat.schedules.instants import UTC
+
+    app = Celery("zone-test", broker="memory://")
+    app.conf.update(enable_utc=False)
+    load_settings(app.conf, has_result_backend=lambda: False)
+    assert app_zone(app) is local_zone()
+    app.conf.update(enable_utc=True)
+    assert app_zone(app) is UTC

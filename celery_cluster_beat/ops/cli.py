@@ -1,0 +1,474 @@
+"""``celery -A proj cluster-beat ...``: operate a cluster from Celery's own command line.
+
+Registered through Celery's ``celery.commands`` entry point, so it sits beside
+``beat`` and ``worker``. Reads come from the claim store (and the lease's Redis
+for ``status``): no beat has to run. Actions (``pause``, ``resume``,
+``run-now``) are rows in the claim store plus a change notice on Redis; the
+leader applies them within a second, and they survive restarts and failovers.
+
+Bad input (an unknown schedule, a bad duration, an unreachable database) is one
+line on stderr and exit code 1, never a traceback.
+"""
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import re
+import socket
+from datetime import datetime, timedelta
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+import click
+from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
+
+from ..errors import ConfigError
+from ..leader.urls import mask_url
+from . import report
+
+#: Seconds the broker check waits for a connection.
+BROKER_TIMEOUT = 5.0
+
+_UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``7d``, ``12h``, ``90m``, ``30s``, ``1h30m``, ``2w`` or plain seconds (``3600``)."""
+    value = (text or "").strip().lower()
+    try:
+        seconds = float(value)
+    except ValueError:
+        parts = _DURATION.findall(value)
+        if not parts or "".join(n + u for n, u in parts) != value:
+            raise ValueError(f"bad duration {text!r}: expected e.g. 7d, 12h, 90m, 30s or 1h30m") from None
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"bad duration {text!r}: must be more than 0")
+    return seconds
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines() or [""])[0] or type(exc).__name__
+
+
+def _problems(exc: BaseException) -> List[str]:
+    """One line per problem of *exc*, passwords masked."""
+    if isinstance(exc, ConfigError):
+        lines = [p.replace("\n", " ") for p in exc.problems]
+    elif isinstance(exc, (ValueError, LookupError)) and not isinstance(exc, report.NoSuchSchedule):
+        lines = [_first_line(exc)]
+    elif isinstance(exc, report.NoSuchSchedule):
+        lines = [str(exc)]
+    else:
+        lines = [f"{type(exc).__name__}: {_first_line(exc)}" if not _is_ours(exc) else _first_line(exc)]
+    return [mask_url(line) for line in lines]
+
+
+def _is_ours(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("celery_cluster_beat")
+
+
+def _fail(lines: Iterable[str]) -> None:
+    for line in lines:
+        click.echo(f"error: {line}", err=True)
+    raise click.exceptions.Exit(1)
+
+
+def boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Every error becomes one line per problem on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fun(*args, **kwargs)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            _fail(["interrupted"])
+        except Exception as exc:
+            _fail(_problems(exc))
+
+    return wrapper
+
+
+def _when(value: Optional[datetime]) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ago(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago" if seconds < 7200 else \
+        f"{seconds / 3600:.1f}h ago"
+
+
+def _secs(seconds: Optional[float], signed: bool = False) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:+.3f}s" if signed else f"{seconds:.3f}s"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Plain text columns, left-aligned, two spaces apart."""
+    body = [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in body]
+    return "\n".join(lines)
+
+
+def _json_out(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=False))
+
+
+def _operator() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name (a container without passwd entry)
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
+json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, default=False,
+                           help_group="Output Options", help="Print JSON instead of a table.")
+
+
+# ----------------------------------------------------------------------------- the group
+
+
+@click.group(name="cluster-beat")
+@click.pass_context
+@handle_preload_options
+def cluster_beat(ctx: click.Context, **kwargs: Any) -> None:
+    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, prune, check.
+
+    Reads need no running beat; actions are applied by the leader within a second."""
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
+
+
+# ----------------------------------------------------------------------------- reads
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@json_option
+@click.pass_context
+@boundary
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Leader, term and lease, nodes, claim store, schedules, occurrences late right now."""
+    st = report.cluster_status(_app(ctx))
+    if as_json:
+        _json_out(st.as_dict())
+        return
+    click.echo(render_status(st))
+
+
+def render_status(st: report.ClusterStatus) -> str:
+    lease = st.lease
+    if not lease.enabled:
+        leader = f"no lease (every replica schedules); last term {st.store_term}" + (
+            f" raised by {st.leader}" if st.leader else "")
+        lease_line = "off"
+    elif lease.error:
+        leader = "unknown"
+        lease_line = f"{lease.redis_url}: cannot read the lease: {lease.error}"
+    elif lease.holder is None:
+        leader = "none (nobody holds the lease)"
+        lease_line = f"{lease.redis_url} key {lease.key}"
+    else:
+        leader = f"{lease.holder} (term {lease.term})"
+        lease_line = f"{lease.redis_url} key {lease.key}, expires in {_secs(lease.expires_in)}"
+    schema = f"schema {st.schema_version}" + (
+        "" if st.schema_version == st.code_schema_version else f" (this release: {st.code_schema_version})")
+    late = f"{st.unsent} claimed more than {st.claim_grace:g}s ago and not sent"
+    summary = [
+        ("cluster", st.cluster_name),
+        ("leader", leader),
+        ("lease", lease_line),
+        ("claim store", f"{st.db_url} ({schema})"),
+        ("database time", f"{_when(st.now)} UTC"),
+        ("schedules", f"{st.schedules} ({st.config_schedules} config, {st.stored_schedules} stored), "
+                      f"{len(st.paused)} paused" + (f": {', '.join(st.paused[:10])}" if st.paused else "")),
+        ("late or unsent", late),
+    ]
+    width = max(len(k) for k, _ in summary)
+    out = [f"{k.ljust(width)}  {v}" for k, v in summary]
+    out.append("")
+    if st.nodes:
+        out.append(table(["NODE", "STATE", "SCHEDULING", "STARTED (UTC)", "HEARTBEAT", "CLOCK OFFSET"],
+                         [(n.node, n.state, "yes" if n.scheduling else "no", _when(n.started_at),
+                           _ago(n.heartbeat_age), _secs(n.clock_offset, signed=True)) for n in st.nodes]))
+    else:
+        out.append(f"no node heartbeated in the last {report.RECENT_NODES / 60:.0f} minutes")
+    if st.unsent_shown:
+        out.append("")
+        out.append(table(["UNSENT", "SCHEDULED (UTC)", "CLAIMED BY", "CLAIMED", "ATTEMPTS", "REASON"],
+                         [(u.schedule, _when(u.scheduled_at), u.node, _ago(u.age), u.attempts, u.reason)
+                          for u in st.unsent_shown]))
+    out.append("")
+    out.append("(occurrences due but never claimed, as while no leader runs, leave no row and are not counted)")
+    return "\n".join(out)
+
+
+@cluster_beat.command(name="list", cls=CeleryCommand)
+@json_option
+@click.pass_context
+@boundary
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """Every schedule: rule and zone, next fire, last occurrence and outcome, counters, source, paused."""
+    schedules = report.schedule_list(_app(ctx))
+    if as_json:
+        _json_out([s.as_dict() for s in schedules])
+        return
+    click.echo(render_list(schedules))
+
+
+def render_list(schedules: Sequence[report.ScheduleInfo]) -> str:
+    if not schedules:
+        return "no schedules"
+
+    def state(s: report.ScheduleInfo) -> str:
+        if s.problem:
+            return "invalid"
+        if s.paused:
+            return "paused"
+        return "enabled" if s.enabled else "disabled"
+
+    rows = []
+    for s in schedules:
+        c = s.counters
+        rows.append((s.name, s.task, s.schedule, s.zone or "-", s.source, state(s), _when(s.next_fire),
+                     _when(s.last_occurrence), s.outcome or "-",
+                     f"{c.sent}/{c.skipped}/{c.missed}/{c.failed}"))
+    return table(["NAME", "TASK", "SCHEDULE", "ZONE", "SOURCE", "STATE", "NEXT FIRE (UTC)", "LAST (UTC)",
+                  "OUTCOME", "SENT/SKIP/MISS/FAIL"], rows) + \
+        "\n\n(next fire is computed from the rule and the database's clock; jitter may delay the send)"
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@click.argument("name")
+@click.option("--limit", cls=CeleryOption, type=int, default=50, show_default=True, help_group="History Options",
+              help="How many of the latest occurrences.")
+@json_option
+@click.pass_context
+@boundary
+def history(ctx: click.Context, name: str, limit: int, as_json: bool) -> None:
+    """Recent occurrences of schedule NAME: instant, status, node, sent / started / finished, runtime, error."""
+    rows = report.history(_app(ctx), name, limit=limit)
+    if as_json:
+        _json_out([r.as_dict() for r in rows])
+        return
+    if not rows:
+        click.echo(f"no occurrence of {name!r} is recorded (yet, or any more: pruned)")
+        return
+    click.echo(table(
+        ["SCHEDULED (UTC)", "STATUS", "RUN", "KIND", "NODE", "SENT", "STARTED", "FINISHED", "RUNTIME", "ERROR"],
+        [(_when(r.scheduled_at), r.status, r.run_state or "-", "manual" if r.manual else "scheduled", r.node,
+          _when(r.sent_at), _when(r.started_at), _when(r.finished_at),
+          "-" if r.runtime is None else f"{r.runtime:.3f}s", (r.error or "-")[:80]) for r in rows]))
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@json_option
+@click.pass_context
+@boundary
+def check(ctx: click.Context, as_json: bool) -> None:
+    """Validate the configuration and reach the claim store, Redis and the broker.
+
+    Prints one line per check; exits 1 if any failed (one line per problem on stderr)."""
+    results = run_checks(_app(ctx))
+    failed = [r for r in results if not r[1]]
+    if as_json:
+        _json_out({"ok": not failed, "checks": [{"check": name, "ok": ok, "detail": detail}
+                                               for name, ok, detail in results]})
+    else:
+        for name, ok, detail in results:
+            if ok:
+                click.echo(f"ok       {name}: {detail}")
+            else:
+                click.echo(f"problem  {name}: {detail}", err=True)
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
+    """(what, ok, detail) per check; a check with several problems gives one failed line each."""
+    out: List[Tuple[str, bool, str]] = []
+
+    def problems(what: str, exc: BaseException) -> None:
+        out.extend((what, False, line) for line in _problems(exc))
+
+    settings = None
+    try:
+        settings = report.load_settings_of(app)
+        out.append(("settings", True, f"cluster {settings.cluster_name!r}"))
+    except Exception as exc:
+        problems("settings", exc)
+    entries = None
+    try:
+        entries = report.config_entries(app)
+        if settings is not None:
+            from ..config.observing import configuration_problems
+
+            found = configuration_problems(app, settings, entries.values())
+            if found:
+                raise ConfigError(found)
+        out.append(("beat_schedule", True, f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"))
+    except Exception as exc:
+        problems("beat_schedule", exc)
+    if settings is not None:
+        try:
+            store = report.open_store(app, settings)
+            try:
+                if entries:
+                    store.check_names(entries)
+                    clash = store.stored_get(sorted(entries))
+                    if clash:
+                        raise ConfigError([f"beat_schedule entry {r.name!r} and the stored schedule {r.name!r} "
+                                           "share a name" for r in clash])
+                version = store.overview(grace=settings.claim_grace, unsent_limit=1).schema_version
+                out.append(("claim store", True, f"{mask_url(settings.db_url)} (schema {version})"))
+            finally:
+                store.close()
+        except Exception as exc:
+            problems("claim store", exc)
+        if settings.redis is not None:
+            try:
+                client = settings.redis.client()
+                try:
+                    client.ping()
+                finally:
+                    client.close()
+                out.append(("redis", True, mask_url(settings.redis.url)))
+            except Exception as exc:
+                problems("redis", exc)
+        else:
+            out.append(("redis", True, "no lease configured (replicas race on claims)"))
+    try:
+        conn = app.connection_for_write()
+        try:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.5, interval_max=0.5,
+                                   timeout=BROKER_TIMEOUT)
+            out.append(("broker", True, mask_url(conn.as_uri(include_password=True))))
+        finally:
+            conn.release()
+    except Exception as exc:
+        problems("broker", exc)
+    return out
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+def _act(app: Any, name: str, action: Callable[[Any], Any], *, paused_ok: bool = False) -> Tuple[Any, str]:
+    """Run *action(store)* on a known schedule, then tell the leader (a Redis notice).
+
+    *paused_ok*: a name no schedule has any more may still be acted on while it is paused
+    (resuming a config entry removed while paused, so that re-adding it does not find it paused)."""
+    settings = report.load_settings_of(app)
+    store = report.open_store(app, settings)
+    try:
+        try:
+            source = report.schedule_source(app, name, store)
+        except report.NoSuchSchedule:
+            if not (paused_ok and any(c.paused for c in store.controls([name]))):
+                raise
+            source = "gone"
+        result = action(store)
+    finally:
+        store.close()
+    if settings.redis is not None:
+        from ..leader.notices import ChangeNotices
+
+        notices = ChangeNotices(settings.redis.client, settings.cluster_name)
+        try:
+            notices.publish(result[0])
+        finally:
+            notices.close()
+    return result, source
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@click.argument("name")
+@json_option
+@click.pass_context
+@boundary
+def pause(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Pause schedule NAME (config or stored): nothing is sent or recorded until resumed."""
+    _pause(ctx, name, True, as_json)
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@click.argument("name")
+@json_option
+@click.pass_context
+@boundary
+def resume(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Resume schedule NAME: it fires again from now on, without catching up the pause."""
+    _pause(ctx, name, False, as_json)
+
+
+def _pause(ctx: click.Context, name: str, paused: bool, as_json: bool) -> None:
+    by = _operator()
+    (version, changed), source = _act(_app(ctx), name, lambda store: store.set_paused(name, paused, by=by),
+                                      paused_ok=not paused)
+    word = "paused" if paused else "resumed"
+    if as_json:
+        _json_out({"schedule": name, "source": source, "paused": paused, "changed": changed, "version": version})
+    elif changed:
+        click.echo(f"{word} {name!r} ({source}); the leader applies it within 1 s")
+    else:
+        click.echo(f"{name!r} was {'paused' if paused else 'not paused'} already")
+
+
+@cluster_beat.command(name="run-now", cls=CeleryCommand)
+@click.argument("name")
+@json_option
+@click.pass_context
+@boundary
+def run_now(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Send one extra occurrence of NAME now (reported as manual); presses while one is pending join it."""
+    by = _operator()
+    (version, request, at, joined), source = _act(_app(ctx), name, lambda store: store.request_run(name, by=by))
+    if as_json:
+        _json_out({"schedule": name, "source": source, "request": request, "scheduled_at": at.isoformat(),
+                   "joined": joined, "version": version})
+    elif joined:
+        click.echo(f"a run of {name!r} is pending already (request {request}, instant {at.isoformat()}): "
+                   "joined it, one run")
+    else:
+        click.echo(f"run of {name!r} requested (request {request}, instant {at.isoformat()}); "
+                   "the leader sends it within 1 s")
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@click.option("--older-than", "older_than", cls=CeleryOption, default=None, help_group="Prune Options",
+              help="Delete claim rows of occurrences older than this (7d, 12h, 90m, 30s); "
+                   "default: cluster_beat_claim_retention.")
+@json_option
+@click.pass_context
+@boundary
+def prune(ctx: click.Context, older_than: Optional[str], as_json: bool) -> None:
+    """Delete finished claim rows older than --older-than (rows still claimed are kept)."""
+    app = _app(ctx)
+    seconds = parse_duration(older_than) if older_than is not None else None
+    settings = report.load_settings_of(app)
+    if seconds is None:
+        seconds = settings.claim_retention
+    store = report.open_store(app, settings)
+    try:
+        cutoff = store.db_now() - timedelta(seconds=seconds)
+        deleted = store.prune(cutoff)
+    finally:
+        store.close()
+    if as_json:
+        _json_out({"deleted": deleted, "older_than": seconds, "cutoff": cutoff.isoformat()})
+    else:
+        click.echo(f"deleted {deleted} claim row(s) of occurrences before {_when(cutoff)} UTC")

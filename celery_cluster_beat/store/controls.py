@@ -1,0 +1,156 @@
+"""Operators' controls of a schedule: pause, resume and "run now", for config and stored schedules alike.
+
+A control is a row of ``cluster_beat_controls`` keyed by the schedule's name.
+Every change bumps the same change counter as stored schedules
+(:mod:`.stored`), so the leader applies it with the same read of "what changed
+since version N", within a second, and a paused schedule stays paused across
+restarts and failovers.
+
+"Run now" is keyed on the request, not on the wall clock alone: a request while
+another for the same schedule is pending joins it, so two operators pressing it
+at once give one run. The manual occurrence's instant is the database's time of
+the first request, so its claim (and task id) is one of its own.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple
+
+import sqlalchemy as sa
+
+from ..base import MAX_NAME_LENGTH, clip
+from .dialects.base import chunks
+from .errors import database_errors
+from .schema import controls_table, schedule_version_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sqlalchemy.engine import Connection
+
+
+@dataclass(frozen=True)
+class ControlRow:
+    """One row of ``cluster_beat_controls``."""
+
+    name: str
+    paused: bool
+    paused_at: Optional[datetime]
+    paused_by: Optional[str]
+    run_request: Optional[str]
+    run_requested_at: Optional[datetime]
+    run_requested_by: Optional[str]
+    version: int
+
+
+_FIELDS = [f.name for f in fields(ControlRow)]
+
+
+def _row(r: Any) -> ControlRow:
+    return ControlRow(*(bool(v) if k == "paused" else v for k, v in zip(_FIELDS, r)))
+
+
+def bump_version(conn: "Connection") -> int:
+    """Take the next value of the change counter (its row lock is held until commit)."""
+    v = schedule_version_table
+    conn.execute(sa.update(v).where(v.c.id == 1).values(version=v.c.version + 1))
+    return int(conn.execute(sa.select(v.c.version).where(v.c.id == 1)).scalar_one())
+
+
+class ControlQueries:
+    """Mixed into :class:`~.claims.ClaimStore`: it provides ``_run``, ``_now`` and ``_dialect``."""
+
+    if TYPE_CHECKING:  # pragma: no cover
+        url_masked: str
+        _dialect: Any
+
+        def _run(self, work: Callable[["Connection"], Any], *, write: bool = True) -> Any: ...
+
+        def _now(self, conn: "Connection") -> datetime: ...
+
+    def _control(self, conn: "Connection", name: str, version: int) -> Optional[ControlRow]:
+        c = controls_table
+        self._dialect.insert_if_absent(conn, c, [{"name": name, "paused": False, "version": version}], ["name"])
+        r = conn.execute(sa.select(*(c.c[f] for f in _FIELDS)).where(c.c.name == name)).first()
+        return None if r is None else _row(r)
+
+    @database_errors
+    def set_paused(self, name: str, paused: bool, *, by: Optional[str] = None) -> Tuple[int, bool]:
+        """Pause or resume schedule *name*; (the change counter's new value, whether it changed)."""
+        self._check(name)
+        c = controls_table
+
+        def work(conn: "Connection") -> Tuple[int, bool]:
+            version = bump_version(conn)
+            current = self._control(conn, name, version)
+            changed = current is None or current.paused != paused
+            values: dict = {"paused": paused, "version": version}
+            if changed:
+                values.update(paused_at=self._now(conn) if paused else None,
+                              paused_by=clip(by, MAX_NAME_LENGTH) if (paused and by) else None)
+            conn.execute(sa.update(c).where(c.c.name == name).values(**values))
+            return version, changed
+
+        return self._run(work)
+
+    @database_errors
+    def request_run(self, name: str, *, by: Optional[str] = None) -> Tuple[int, str, datetime, bool]:
+        """Ask the leader for one extra occurrence of *name* now.
+
+        Returns (the change counter's value, the request id, the occurrence's instant,
+        whether it joined a request already pending)."""
+        self._check(name)
+        c = controls_table
+
+        def work(conn: "Connection") -> Tuple[int, str, datetime, bool]:
+            version = bump_version(conn)
+            current = self._control(conn, name, version)
+            if current is not None and current.run_request and current.run_requested_at is not None:
+                return version, current.run_request, current.run_requested_at, True
+            request, at = str(uuid.uuid4()), self._now(conn)
+            conn.execute(sa.update(c).where(c.c.name == name).values(
+                run_request=request, run_requested_at=at, version=version,
+                run_requested_by=clip(by, MAX_NAME_LENGTH) if by else None))
+            return version, request, at, False
+
+        return self._run(work)
+
+    @database_errors
+    def finish_run_request(self, name: str, request: str) -> bool:
+        """The leader handled request *request* (sent it, or recorded why not): clear it."""
+        c = controls_table
+        return bool(self._run(lambda conn: conn.execute(
+            sa.update(c).where(c.c.name == name, c.c.run_request == request)
+            .values(run_request=None, run_requested_at=None, run_requested_by=None)).rowcount))
+
+    @database_errors
+    def control_changes(self, since: int, *, limit: int = 1000) -> List[ControlRow]:
+        """Controls changed after version *since*, oldest change first."""
+        c = controls_table
+        stmt = sa.select(*(c.c[f] for f in _FIELDS)).where(c.c.version > since).order_by(c.c.version, c.c.name)
+        return [_row(r) for r in self._run(lambda conn: conn.execute(stmt.limit(limit)).all(), write=False)]
+
+    @database_errors
+    def controls(self, names: Optional[Iterable[str]] = None, *, active_only: bool = False) -> List[ControlRow]:
+        """Control rows (of *names*, if given); *active_only*: paused or with a pending request."""
+        c = controls_table
+        stmt = sa.select(*(c.c[f] for f in _FIELDS))
+        if active_only:
+            stmt = stmt.where(sa.or_(c.c.paused == sa.true(), c.c.run_request.is_not(None)))
+        if names is None:
+            return [_row(r) for r in self._run(lambda conn: conn.execute(stmt.order_by(c.c.name)).all(),
+                                               write=False)]
+        wanted = sorted(set(names))
+
+        def read(conn: "Connection") -> List[ControlRow]:
+            out: List[ControlRow] = []
+            for part in chunks(wanted, 500):
+                out.extend(_row(r) for r in conn.execute(stmt.where(c.c.name.in_(list(part)))))
+            return out
+
+        return self._run(read, write=False)
+
+    def _check(self, name: str) -> None:
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH:
+            raise ValueError(f"schedule name must have 1 to {MAX_NAME_LENGTH} characters: {name!r}")
+        self._dialect.check_name(name)

@@ -1,0 +1,136 @@
+"""The leader's side of operators' controls, with a real Scheduler driven like beat drives it, a
+real claim database and the Redis broker: a paused schedule (config or stored) sends and records
+nothing while paused and resumes from the moment it is resumed; run-now pressed twice while pending
+gives one manual occurrence, recorded with reason ``manual``; a pause survives a new leader."""
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+from typing import List
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_cluster_beat import every
+from celery_cluster_beat.beat.scheduler import Scheduler
+from celery_cluster_beat.dynamic import StoredSchedules
+from celery_cluster_beat.store import ClaimStore
+
+BROKER_DB = 7
+
+
+@pytest.fixture
+def broker(redis_url) -> str:
+    return urlunsplit(urlsplit(redis_url)._replace(path=f"/{BROKER_DB}"))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/claims.sqlite3"
+        return
+    yield request.getfixturevalue("pg_url")
+
+
+@pytest.fixture
+def made():
+    things: List = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, Celery):
+            client = redis.Redis.from_url(thing.conf.broker_url)
+            client.delete(thing.conf.task_default_queue)
+            client.close()
+            thing.close()
+        else:
+            thing.close()
+
+
+def _app(made, db, broker) -> Celery:
+    name = "ccb_ctl_" + uuid.uuid4().hex[:8]
+    app = Celery(name, broker=broker, set_as_current=False)
+    app.conf.update(task_default_queue="q_" + name, cluster_beat_db_url=db, cluster_beat_redis_url="",
+                    beat_schedule={"tick": {"task": "t.x", "schedule": every(1)}})
+    made.append(app)
+    return app
+
+
+def _run(sched: Scheduler, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(max(0.0, min(sched.tick(), end - time.monotonic())))
+
+
+def _rows(store: ClaimStore, name: str):
+    return store.claims(name)
+
+
+def test_a_paused_schedule_records_nothing_and_resumes_from_now(made, db, broker):
+    app = _app(made, db, broker)
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add("stored", "t.y", every(1))
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = api.store
+    _run(sched, 2.5)
+    assert {r.schedule for r in ops.claims()} >= {"tick", "stored"}
+    ops.set_paused("tick", True, by="alice")
+    ops.set_paused("stored", True)
+    _run(sched, 1.5)  # the pause is read within a second
+    paused_at = ops.db_now()
+    _run(sched, 3.0)
+    resumed_at = ops.db_now()
+    for name in ("tick", "stored"):
+        inside = [r for r in ops.claims(name) if paused_at <= r.scheduled_at <= resumed_at]
+        assert inside == [], (name, inside)
+        assert name not in sched._queue
+    ops.set_paused("tick", False)
+    ops.set_paused("stored", False)
+    _run(sched, 3.0)
+    for name in ("tick", "stored"):
+        after = [r for r in ops.claims(name) if r.scheduled_at > resumed_at]
+        assert len(after) >= 1, name
+        # No catch-up of the paused seconds: nothing recorded between the pause and the resume.
+        assert not [r for r in ops.claims(name) if paused_at <= r.scheduled_at <= resumed_at]
+
+
+def test_run_now_pressed_twice_gives_one_manual_occurrence(made, db, broker):
+    app = _app(made, db, broker)
+    app.conf.beat_schedule = {"rare": {"task": "t.x", "schedule": every(3600)}}
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    _run(sched, 0.5)
+    _, first, at, joined = ops.request_run("rare", by="alice")
+    _, second, _, joined2 = ops.request_run("rare", by="bob")
+    assert not joined and joined2 and first == second
+    _run(sched, 2.0)
+    manual = [r for r in ops.claims("rare") if r.reason == "manual"]
+    assert [(r.scheduled_at, r.status) for r in manual] == [(at, "sent")]
+    assert ops.controls(active_only=True) == []  # the request is handled
+    # A new leader does not run it again.
+    sched.close()
+    again = Scheduler(app, lazy=False)
+    made.append(again)
+    _run(again, 1.5)
+    assert len([r for r in ops.claims("rare") if r.reason == "manual"]) == 1
+
+
+def test_a_pause_survives_a_new_leader(made, db, broker):
+    app = _app(made, db, broker)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    ops.set_paused("tick", True)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    start = ops.db_now()
+    _run(sched, 2.5)
+    assert [r for r in ops.claims("tick") if r.scheduled_at >= start - timedelta(seconds=1)] == []
+    assert "tick" not in sched._queue

@@ -283,8 +283,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as exc:  # Ctrl-C / SIGTERM: the with-blocks above have cleaned up
-        sys.stderr.write(f"interrupted ({exc or 'Ctrl-C'}); processes, Redis DB and temp files cleaned up\n")
-        sys.exit(130)
+    common.run_main(main)

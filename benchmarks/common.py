@@ -426,3 +426,13 @@ def processes_cpu(pids: Sequence[int]) -> Dict[int, float]:
         except psutil.Error:
             pass
     return out
+
+
+def run_main(main) -> None:
+    """Run a benchmark's ``main()`` and exit with its status; Ctrl-C / SIGTERM (turned into
+    KeyboardInterrupt) exits 130 once the with-blocks have cleaned up."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(f"interrupted ({exc or 'Ctrl-C'}); processes, Redis DB and temp files cleaned up\n")
+        sys.exit(130)

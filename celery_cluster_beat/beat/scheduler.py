@@ -341,6 +341,15 @@ class Scheduler(beat.Scheduler):
         self._run_requests = {c.name: (c.run_request, c.run_requested_at) for c in controls
                               if c.run_request and c.run_requested_at is not None}
         self._controls_version = version
+        # A schedule resumed after its last occurrence restarts from the resume: the paused time
+        # is never caught up, whichever leader starts it.
+        stored_names = {r.name for r in stored}
+        for c in controls:
+            if c.resumed_at is None or c.paused:
+                continue
+            known = last if c.name in self._static else stored_last if c.name in stored_names else None
+            if known is not None:
+                known[c.name] = max(known.get(c.name, c.resumed_at), c.resumed_at)
         fires: Dict[str, datetime] = {}
         for name, entry in self.entries.items():
             if not entry.enabled or name in self._paused:
@@ -729,8 +738,8 @@ class Scheduler(beat.Scheduler):
                 self._drop(row.name, gone="paused")
                 logger.info("cluster-beat: %s paused%s", row.name, f" by {row.paused_by}" if row.paused_by else "")
             elif not row.paused and row.name in self._paused:
+                self._resume(row.name, now)  # raises on a store error: the control is read again
                 self._paused.discard(row.name)
-                self._resume(row.name, now)
             if row.run_request and row.run_requested_at is not None:
                 self._run_requests[row.name] = (row.run_request, row.run_requested_at)
 
@@ -748,8 +757,10 @@ class Scheduler(beat.Scheduler):
                 logger.error("cluster-beat: stored schedule %r cannot be scheduled: %s", name, exc)
                 return
             nxt = entry.schedule.next_fire(now)
+            # SQL's next_at is from before the pause: replace it, held or not, so no reader of it
+            # (this leader's horizon, or the next leader) catches the paused time up.
+            self._store.stored_set_next([(name, rows[0].version, nxt)])
             if self._horizon is not None and nxt >= self._horizon:
-                self._release_stored([(name, rows[0].version, nxt)])
                 logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
                 return
             self.entries[name] = entry
@@ -762,11 +773,11 @@ class Scheduler(beat.Scheduler):
     def _run_manual(self) -> None:
         """Send one occurrence per run-now request, at the request's instant, with reason ``manual``."""
         requests, self._run_requests = self._run_requests, {}
-        known = {name: self.entries[name] for name in requests if name in self.entries}
-        missing = [name for name in requests if name not in known]
-        if missing:
-            known.update(self.resolve_stored(missing))
         try:
+            known = {name: self.entries[name] for name in requests if name in self.entries}
+            missing = [name for name in requests if name not in known]
+            if missing:
+                known.update(self.resolve_stored(missing))
             for name, (request, at) in sorted(requests.items()):
                 entry = known.get(name)
                 if entry is None:

@@ -32,7 +32,8 @@ from ..dynamic.convert import entry_from_row
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
 from ..leader.lease import _parse_value, lease_keys
 from ..leader.urls import mask_url
-from ..schedules.celery_types import cron, every
+from ..schedules.celery_types import app_zone, cron, every
+from ..schedules.tzwall import zone_name
 from ..schedules.text import schedule_text
 from ..store import SCHEMA_VERSION, ClaimRow, ClaimStore
 from ..store.stored import StoredRow
@@ -247,9 +248,27 @@ def open_store(app: Any, settings: Optional[Settings] = None) -> ClaimStore:
     if not settings.db_url.startswith("sqlite") and "connect_timeout" not in settings.db_url:
         options["connect_args"] = {"connect_timeout": 5}
     node = f"ops:{socket.gethostname()}:{os.getpid()}"[:255]
+    path = _sqlite_path(settings.db_url)
+    if path is not None and not os.path.exists(path):
+        # Opening would create an empty database that no beat reads, and actions would "succeed".
+        raise ConfigError(f"no claim database at {path}: set cluster_beat_db_url (or beat_schedule_filename) "
+                          "to the one beat uses, or run this where beat runs")
     store = ClaimStore(settings.db_url, node_id=node, engine_options=options, lock_timeout=2.0)
     store.open()
     return store
+
+
+def _sqlite_path(url: str) -> Optional[str]:
+    """The file of a SQLite URL (None for other databases and in-memory SQLite)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # the store reports a bad URL itself
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return os.path.abspath(parsed.database)
 
 
 def config_entries(app: Any) -> Dict[str, Entry]:
@@ -292,8 +311,11 @@ class _Opened:
 
 
 def _app_zone_name(app: Any) -> str:
-    zone = app.conf.timezone
-    return str(getattr(zone, "key", zone)) if zone else "UTC"
+    try:  # the zone rules without a zone of their own really run in (local with enable_utc=False)
+        return zone_name(app_zone(app))
+    except ScheduleError:
+        zone = app.conf.timezone
+        return str(getattr(zone, "key", zone)) if zone else "UTC"
 
 
 def _describe(app: Any, schedule: Any) -> Tuple[str, Optional[str]]:

@@ -152,7 +152,8 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
         self._engine_options = dict(engine_options or {})
         self._lock_timeout = float(lock_timeout)
         self._engine: Engine | None = None
-        self._open_lock = threading.Lock()
+        # Re-entrant: beat's SIGTERM handler calls close() in the very thread that may be inside open().
+        self._open_lock = threading.RLock()
         self._dialect = dialect_for(backend)
         self._cluster_id: str | None = None
         #: Called after each transaction with its duration (seconds, retries included) and whether it

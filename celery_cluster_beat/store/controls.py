@@ -37,6 +37,7 @@ class ControlRow:
     paused: bool
     paused_at: Optional[datetime]
     paused_by: Optional[str]
+    resumed_at: Optional[datetime]
     run_request: Optional[str]
     run_requested_at: Optional[datetime]
     run_requested_by: Optional[str]
@@ -86,8 +87,11 @@ class ControlQueries:
             changed = current is None or current.paused != paused
             values: dict = {"paused": paused, "version": version}
             if changed:
-                values.update(paused_at=self._now(conn) if paused else None,
+                now = self._now(conn)
+                values.update(paused_at=now if paused else None,
                               paused_by=clip(by, MAX_NAME_LENGTH) if (paused and by) else None)
+                if not paused:
+                    values["resumed_at"] = now
             conn.execute(sa.update(c).where(c.c.name == name).values(**values))
             return version, changed
 
@@ -106,6 +110,8 @@ class ControlQueries:
             version = bump_version(conn)
             current = self._control(conn, name, version)
             if current is not None and current.run_request and current.run_requested_at is not None:
+                # Stamped anew, so a leader that lost the request from memory reads it again.
+                conn.execute(sa.update(c).where(c.c.name == name).values(version=version))
                 return version, current.run_request, current.run_requested_at, True
             request, at = str(uuid.uuid4()), self._now(conn)
             conn.execute(sa.update(c).where(c.c.name == name).values(
@@ -132,11 +138,13 @@ class ControlQueries:
 
     @database_errors
     def controls(self, names: Optional[Iterable[str]] = None, *, active_only: bool = False) -> List[ControlRow]:
-        """Control rows (of *names*, if given); *active_only*: paused or with a pending request."""
+        """Control rows (of *names*, if given); *active_only*: paused, resumed once, or with a
+        pending request (what a new leader must know)."""
         c = controls_table
         stmt = sa.select(*(c.c[f] for f in _FIELDS))
         if active_only:
-            stmt = stmt.where(sa.or_(c.c.paused == sa.true(), c.c.run_request.is_not(None)))
+            stmt = stmt.where(sa.or_(c.c.paused == sa.true(), c.c.run_request.is_not(None),
+                                     c.c.resumed_at.is_not(None)))
         if names is None:
             return [_row(r) for r in self._run(lambda conn: conn.execute(stmt.order_by(c.c.name)).all(),
                                                write=False)]

@@ -250,6 +250,9 @@ controls_table = sa.Table(
     sa.Column("paused", sa.Boolean(), nullable=False, server_default=sa.false()),
     sa.Column("paused_at", UTCDateTime(), nullable=True),
     sa.Column("paused_by", sa.String(MAX_NAME_LENGTH), nullable=True),
+    # When it was last resumed (database clock): any leader, now or after a failover, starts
+    # it from here, so the paused time is never caught up.
+    sa.Column("resumed_at", UTCDateTime(), nullable=True),
     # A pending "run now" request: its id, and the database's time it was asked, which becomes
     # the manual occurrence's instant. A second request while one is pending joins it.
     sa.Column("run_request", sa.String(36), nullable=True),

@@ -134,3 +134,33 @@ def test_a_pause_survives_a_new_leader(made, db, broker):
     _run(sched, 2.5)
     assert [r for r in ops.claims("tick") if r.scheduled_at >= start - timedelta(seconds=1)] == []
     assert "tick" not in sched._queue
+
+
+def test_a_resumed_schedule_does_not_catch_up_its_paused_time_after_a_leader_change(made, db, broker):
+    """Paused, resumed, and the leader changes before the first fire after the resume: the new
+    leader starts from the resume, so nothing of the paused time is sent or recorded missed
+    (config and stored schedules alike)."""
+    app = _app(made, db, broker)
+    app.conf.cluster_beat_catchup = "all"
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add("stored", "t.y", every(1))
+    ops = api.store
+    first = Scheduler(app, lazy=False)
+    _run(first, 1.5)
+    ops.set_paused("tick", True)
+    ops.set_paused("stored", True)
+    _run(first, 1.5)
+    first.close()  # the leader goes away while they are paused
+    paused_at = ops.db_now()
+    time.sleep(2.5)
+    ops.set_paused("tick", False)
+    ops.set_paused("stored", False)
+    resumed_at = ops.db_now()
+    again = Scheduler(app, lazy=False)  # a new leader, after the resume
+    made.append(again)
+    _run(again, 2.5)
+    for name in ("tick", "stored"):
+        inside = [(r.scheduled_at, r.status) for r in ops.claims(name) if paused_at < r.scheduled_at < resumed_at]
+        assert inside == [], (name, inside)
+        assert [r for r in ops.claims(name) if r.scheduled_at > resumed_at], name

@@ -55,12 +55,16 @@ class MySQLDialect(Dialect):
     pad_space = False
 
     def engine_options(self, url: URL) -> dict[str, Any]:
+        base = super().engine_options(url)
         return {
-            **super().engine_options(url),
+            **base,
             # Fewer gap locks than REPEATABLE READ, so concurrent
             # insert-if-absent of overlapping keys queues instead of deadlocking.
             "isolation_level": "READ COMMITTED",
             "pool_recycle": 3600,  # below the usual wait_timeout
+            # PyMySQL waits for a reply for ever by default: a server that accepts and never
+            # answers would hold beat (even its SIGTERM) inside a connect or a statement.
+            "connect_args": {**base.get("connect_args", {}), "read_timeout": 30, "write_timeout": 30},
         }
 
     def session_sql(self, lock_timeout: float) -> list[str]:

@@ -8,7 +8,7 @@ often. So nothing here raises; trouble only makes :attr:`ChangeNotices.down` tru
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 logger = logging.getLogger("celery_cluster_beat.notices")
 

@@ -35,14 +35,13 @@ Design rules followed throughout:
 """
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, make_url

@@ -273,15 +273,24 @@ class SendPipeline:
             confirmed_at = None
 
     def _dispatch(self, entry: Entry, occ: Occurrence, pending: Optional[Pending] = None) -> Dispatch:
-        options = entry.options
         jitter = entry.jitter if entry.jitter is not None else self.settings.jitter
+        eta = None
         if jitter:
             delay = jitter_delay(entry.name, occ.at, jitter, entry.schedule.next_fire(occ.at))
             if delay:
-                options = dict(options, eta=occ.at + timedelta(seconds=delay))
-        return Dispatch(occ, entry.task, entry.args, entry.kwargs, options,
+                eta = occ.at + timedelta(seconds=delay)
+        return Dispatch(occ, entry.task, entry.args, entry.kwargs, entry.options,
                         catchup=bool(pending and pending.catchup), attempt=pending.attempt if pending else 1,
-                        max_run_time=self.guard.max_run_time(entry))
+                        max_run_time=self.guard.max_run_time(entry), eta=eta)
+
+    def prepare(self, entry: Entry, at: datetime) -> None:
+        """Build *entry*'s message ahead of its fire at *at* (see :mod:`.messages`); never raises."""
+        if self.publisher.templates.has(entry.name):
+            return
+        try:
+            self.publisher.prepare(self._dispatch(entry, Occurrence(entry.name, at)))
+        except Exception:  # the send builds it again and reports what fails
+            logger.debug("cluster-beat: preparing the message of %s failed", entry.name, exc_info=True)
 
     def _mark_sent(self) -> None:
         """Record what went out (:attr:`unmarked`); if the store is down, keep it to record later.

@@ -1,20 +1,25 @@
-"""Sending claimed occurrences through Celery's own message code.
+"""Sending claimed occurrences with Celery's message format, signals and routing.
 
-Each message is built and sent by ``Task.apply_async`` / ``app.send_task``,
-so routing, serialisation, the wire format and the ``before_task_publish`` /
-``after_task_publish`` signals are exactly those of a normal send. What we
-add is the transport batch (kombu's ``Producer.batch()``: on Redis one
-pipelined round trip per chunk instead of one per message) and a producer
-held from the pool for the whole burst instead of one acquire per message.
+Each entry's message is built once by Celery's own ``send_task`` and then
+stamped per occurrence (:mod:`.messages`): the wire format, the routing and the
+``before_task_publish`` / ``after_task_publish`` signals are exactly those of a
+normal send, without repeating Celery's per-call work thousands of times a
+burst. What cannot be replayed exactly goes through ``apply_async`` /
+``send_task`` message by message, as before. What we add is the transport batch
+(kombu's ``Producer.batch()``: on Redis one pipelined round trip per chunk
+instead of one per message) and a producer held from the pool for the whole
+burst instead of one acquire per message.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..schedules.instants import utc_iso
 from ..schedules.occurrence import Occurrence
+from .messages import Templates
 from ..worker.protocol import (HEADER_ATTEMPT, HEADER_CATCHUP, HEADER_MAX_RUN_TIME, HEADER_NODE, HEADER_SCHEDULE,
                                HEADER_SCHEDULED_AT)
 
@@ -38,6 +43,9 @@ class Dispatch:
     attempt: int = 1
     #: The entry's effective max_run_time, for the worker's ledger (header ``cluster_beat_max_run_time``).
     max_run_time: Optional[float] = None
+    #: When the message may run (jitter); None: at once. Kept out of *options*, which stay the entry's
+    #: own object so that its prebuilt message is recognised.
+    eta: Optional[datetime] = None
 
 
 class Publisher:
@@ -48,6 +56,11 @@ class Publisher:
         self.node_id = node_id
         #: (task, queue option) pairs whose queue was declared during the current publish() call.
         self._declared: set = set()
+        #: Each entry's message, built once by Celery and stamped per occurrence.
+        self.templates = Templates(app)
+        #: Messages sent from a template / through Celery's per-message path (for metrics and tests).
+        self.stamped = self.celery_path = 0
+        self._backend = None
 
     def warm_up(self) -> None:
         """Open the broker connection now, so the first burst does not pay for it."""
@@ -57,29 +70,54 @@ class Publisher:
         except Exception as exc:  # the broker may be down at start; sends will retry
             logger.warning("cluster-beat: cannot connect to the broker yet: %r", exc)
 
+    def _headers(self, d: Dispatch) -> tuple:
+        """The headers the message carries (the entry's own, then ours) and ours alone."""
+        headers = dict(d.options.get("headers") or {})
+        dynamic = {
+            HEADER_SCHEDULE: d.occurrence.schedule,
+            HEADER_SCHEDULED_AT: utc_iso(d.occurrence.at),
+            HEADER_NODE: self.node_id,
+            HEADER_CATCHUP: d.catchup,
+            HEADER_ATTEMPT: d.attempt,
+            "celery_beat_task": True,
+        }
+        if d.max_run_time is not None:
+            dynamic[HEADER_MAX_RUN_TIME] = d.max_run_time
+        headers.update(dynamic)
+        return headers, dynamic
+
+    def prepare(self, d: Dispatch) -> bool:
+        """Build the message template of *d*'s entry ahead of its fire; False: it is sent
+        through Celery's per-message path (or building it failed: the send will say why)."""
+        headers, _ = self._headers(d)
+        return self.templates.get(d.occurrence.schedule, d.task, d.args, d.kwargs, d.options, headers, None,
+                                  eta=False) is not None
+
     def _send_one(self, d: Dispatch, producer) -> None:
-        options = dict(d.options)  # Celery's beat mutates entry.options['headers']; we never do
+        options = d.options  # never mutated: Celery's beat mutates entry.options['headers']; we do not
+        first = True
         if "declare" not in options and "exchange" not in options and "routing_key" not in options:
             # Celery re-checks the queue's declaration on every message; once per queue per
             # burst is enough (the first message of each declares it as Celery would).
             route = (d.task, str(options.get("queue")))
-            if route in self._declared:
-                options["declare"] = []
-            else:
-                self._declared.add(route)
-        headers = dict(options.pop("headers", None) or {})
-        headers.update(
-            {
-                HEADER_SCHEDULE: d.occurrence.schedule,
-                HEADER_SCHEDULED_AT: utc_iso(d.occurrence.at),
-                HEADER_NODE: self.node_id,
-                HEADER_CATCHUP: d.catchup,
-                HEADER_ATTEMPT: d.attempt,
-                "celery_beat_task": True,
-            }
-        )
-        if d.max_run_time is not None:
-            headers[HEADER_MAX_RUN_TIME] = d.max_run_time
+            first = route not in self._declared
+            self._declared.add(route)
+        headers, dynamic = self._headers(d)
+        template = self.templates.get(d.occurrence.schedule, d.task, d.args, d.kwargs, options, headers, producer,
+                                      eta=d.eta is not None)
+        if template is not None:
+            if self._backend is None:
+                self._backend = self.app.backend
+            template.send(self.app, producer, d.occurrence.task_id, d.eta, dynamic, declare=first,
+                          backend=self._backend)
+            self.stamped += 1
+            return
+        self.celery_path += 1
+        options = {k: v for k, v in options.items() if k != "headers"}
+        if not first:
+            options["declare"] = []
+        if d.eta is not None:
+            options["eta"] = d.eta
         task = self.app.tasks.get(d.task)
         if task is not None:
             task.apply_async(d.args, d.kwargs, task_id=d.occurrence.task_id, producer=producer, headers=headers, **options)
@@ -92,6 +130,7 @@ class Publisher:
         """Send all; the result lists, per dispatch, None (sent) or the error."""
         errors: List[Optional[BaseException]] = [None] * len(dispatches)
         self._declared = set()
+        self._backend = None  # read once per publish (Celery keeps it per thread)
         sent = [False] * len(dispatches)
         if not dispatches:
             return errors

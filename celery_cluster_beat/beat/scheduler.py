@@ -57,6 +57,15 @@ CHANGE_READ_NOTICED = 0.1
 CHANGE_READ_FALLBACK = 5.0
 #: How often the leader looks for a notice (a socket read, no SQL) when nothing else wakes it.
 NOTICE_POLL = 0.5
+#: Messages of entries due within this many seconds are built ahead of their fire (see .messages).
+PREPARE_AHEAD = 60.0
+#: Seconds one tick may spend building them; the rest is built on the next ticks.
+PREPARE_BUDGET = 0.05
+#: No building when the next fire is closer than this: sends come first.
+PREPARE_MARGIN = 0.5
+#: Seconds between two looks for entries due soon whose message is not built yet.
+PREPARE_EVERY = 10.0
+
 #: Changed rows applied per read of the change feed (a bigger backlog takes several reads).
 CHANGE_BATCH = 1000
 
@@ -123,6 +132,9 @@ class Scheduler(beat.Scheduler):
         self._controls_version = 0
         self._run_requests: Dict[str, Tuple[str, datetime]] = {}
         self._next_prune = 0.0
+        #: Entries due soon whose message is still to be built ahead (latest first), and when to look again.
+        self._prepare_todo: List[Tuple[datetime, str]] = []
+        self._next_prepare = 0.0
         self._next_housekeeping = 0.0
         self._db_backoff_until = 0.0
         self._db_failures = 0
@@ -483,7 +495,36 @@ class Scheduler(beat.Scheduler):
             self._guarded_store_call(self._run_buffered, "sending buffered runs")
         if store_ok and time.monotonic() >= self._next_prune:
             self._prune()
+        self._prepare_messages()
         return self._sleep_time()
+
+    def _prepare_messages(self) -> None:
+        """Build, a slice a tick, the messages of entries due within :data:`PREPARE_AHEAD`, while
+        nothing is due for :data:`PREPARE_MARGIN`: a burst then only stamps them."""
+        mono = time.monotonic()
+        if not self._active or self._pipeline is None or not self._queue:
+            return
+        if not self._prepare_todo and mono < self._next_prepare:
+            return
+        now = self._clock.now()
+        if (self._queue.peek()[0] - now).total_seconds() < PREPARE_MARGIN:
+            return
+        if not self._prepare_todo:
+            self._next_prepare = mono + PREPARE_EVERY
+            soon = self._queue.due_before(now + timedelta(seconds=PREPARE_AHEAD))
+            have = self._pipeline.publisher.templates.has
+            self._prepare_todo = sorted((item for item in soon if not have(item[1])), reverse=True)
+        deadline = mono + PREPARE_BUDGET
+        while self._prepare_todo and time.monotonic() < deadline:
+            at, name = self._prepare_todo.pop()
+            entry = self.entries.get(name)
+            if entry is not None and entry.enabled:
+                self._pipeline.prepare(entry, at)
+
+    def _preparing(self) -> bool:
+        """Messages are being built ahead and the next fire leaves time for more."""
+        return bool(self._prepare_todo) and bool(self._queue) and \
+            (self._queue.peek()[0] - self._clock.now()).total_seconds() >= PREPARE_MARGIN
 
     def _sleep_time(self) -> float:
         mono = time.monotonic()
@@ -503,6 +544,8 @@ class Scheduler(beat.Scheduler):
             wait = max(wait, self._db_backoff_until - mono)
         if self._active and self._lease is not None:
             wait = min(wait, self._lease.next_renew_in())
+        if self._active and self._preparing():
+            wait = min(wait, 0.005)  # build the next slice soon (each tick spends PREPARE_BUDGET at most)
         return max(wait, 0.001)  # never 0: beat would spin
 
     def _pop_due(self, now: datetime) -> Tuple[List[Tuple[Entry, datetime, bool]], List[Tuple[str, int, datetime]]]:

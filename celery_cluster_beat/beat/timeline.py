@@ -73,6 +73,19 @@ class Timeline:
             self._down(self._pos[last[1]])
         return at
 
+    def due_before(self, limit: datetime) -> List[Item]:
+        """Every item due before *limit*, in no particular order; visits only those and their
+        children (a heap's subtree is never earlier than its root)."""
+        h = self._heap
+        found: List[Item] = []
+        stack = [0] if h else []
+        while stack:
+            i = stack.pop()
+            if h[i][0] < limit:
+                found.append(h[i])
+                stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(h))
+        return found
+
     def pop(self) -> Item:
         """Remove and return the earliest item."""
         item = self._heap[0]

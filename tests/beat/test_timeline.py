@@ -41,3 +41,29 @@ def test_a_removed_schedule_leaves_no_item():
     tl = Timeline({"a": T0, "b": T0 + timedelta(seconds=1)})
     tl.remove("a")
     assert list(tl) == [(T0 + timedelta(seconds=1), "b")] and "a" not in tl
+
+
+def test_due_before_returns_exactly_the_items_earlier_than_the_limit():
+    """Used to build messages ahead for the entries due soon: nothing due later is visited into
+    the result, nothing due earlier is missed, whatever the heap's shape after updates."""
+    import random
+
+    rng = random.Random(7)
+    base = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    t = Timeline()
+    expected = {}
+    for i in range(500):
+        at = base + timedelta(seconds=rng.randrange(0, 3600))
+        t.set(f"e{i}", at)
+        expected[f"e{i}"] = at
+    for i in range(0, 500, 3):  # moves and removals reshape the heap
+        at = base + timedelta(seconds=rng.randrange(0, 3600))
+        t.set(f"e{i}", at)
+        expected[f"e{i}"] = at
+    for i in range(1, 500, 7):
+        t.remove(f"e{i}")
+        del expected[f"e{i}"]
+    limit = base + timedelta(seconds=900)
+    assert sorted(t.due_before(limit)) == sorted((at, n) for n, at in expected.items() if at < limit)
+    assert t.due_before(base) == []
+    assert Timeline().due_before(limit) == []

@@ -196,6 +196,7 @@ class OverlapGuard:
         #: the last sent run of the due schedules from the store (``ClaimStore.schedule_states``).
         self.refresh = refresh
         self._last: Dict[str, _LastRun] = {}
+        self._ignoring: Dict[Tuple[str, bool], bool] = {}
         self._buffer: Dict[str, Pair] = {}
         self._next_poll = 0.0
 
@@ -216,9 +217,18 @@ class OverlapGuard:
             return self.settings.overlap
         if self.uses_ledger(entry):
             return OverlapPolicy.SKIP  # the ledger sees every run, result backend or not
-        if self.settings.overlap != OverlapPolicy.ALLOW and ignores_results(self.app, entry):
+        if self.settings.overlap != OverlapPolicy.ALLOW and self._ignores_results(entry):
             return OverlapPolicy.ALLOW  # its state stays PENDING: guarding it would drop runs silently
         return self.settings.overlap
+
+    def _ignores_results(self, entry: Entry) -> bool:
+        """:func:`ignores_results`, read once per task (it reads the app's settings: 20,000
+        entries of one task are one read)."""
+        key = (entry.task, bool(entry.options.get("ignore_result")))
+        known = self._ignoring.get(key)
+        if known is None:
+            known = self._ignoring[key] = ignores_results(self.app, entry)
+        return known
 
     def max_run_time(self, entry: Entry) -> float:
         return entry.max_run_time if entry.max_run_time is not None else self.settings.max_run_time

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -75,6 +76,15 @@ class _Captured(NamedTuple):
     options: Dict[str, Any]
 
 
+def _celerys(func: Any, module_file: str, name: str) -> bool:
+    """*func* is Celery's own *name* from *module_file* (``celery/app/task.py``...), not a
+    subclass's override nor a wrapper patched over it (Sentry, tracing libraries): a wrapper
+    copies the name with ``functools.wraps``, never the code object."""
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    return code is not None and code.co_name == name and \
+        code.co_filename.replace(os.sep, "/").endswith("/celery/app/" + module_file)
+
+
 def _hook(app: Celery) -> bool:
     """Wrap the app's ``send_task_message`` once so a capture can stop there; False when it is
     not Celery's own (somebody else wraps it, and replaying would bypass them)."""
@@ -82,7 +92,7 @@ def _hook(app: Celery) -> bool:
     current = amqp.send_task_message
     if getattr(current, "__cluster_beat_capture__", False):
         return True
-    if getattr(current, "__qualname__", "") != _STOCK_SENDER:
+    if not _celerys(current, "amqp.py", "send_task_message"):
         return False
 
     def send_task_message(producer, name, message, **options):
@@ -104,23 +114,34 @@ def why_not(app: Celery, task_name: str, options: Dict[str, Any]) -> Optional[st
         return "task_always_eager is set"
     if conf.task_protocol != 2:
         return f"task protocol {conf.task_protocol} (the task id is in the body)"
-    if type(app).send_task is not Celery.send_task:
-        return f"{type(app).__name__} overrides send_task"
+    if not _celerys(type(app).send_task, "base.py", "send_task"):
+        return f"{type(app).__name__}.send_task is overridden or wrapped (it may do something per call)"
     task = app.tasks.get(task_name)
-    if task is not None and type(task).apply_async is not Task.apply_async:
-        return f"the task class {type(task).__name__} overrides apply_async"
-    if not all(isinstance(route, MapRoute) for route in app.amqp.routes):
+    if task is not None and not _celerys(type(task).apply_async, "task.py", "apply_async"):
+        return f"{type(task).__name__}.apply_async is overridden or wrapped (it may do something per call)"
+    amqp = app.amqp
+    if not _celerys(amqp.create_task_message, "amqp.py", "as_task_v2"):
+        return f"{type(amqp).__name__} builds task messages with its own code"
+    if not all(isinstance(route, MapRoute) for route in amqp.routes):
         return "task_routes has a router function (it may route each call differently)"
     if "countdown" in options:
         return "the entry's options have a countdown (its eta depends on the send time)"
     if "eta" in options:
         return "the entry's options have an eta"
-    expires = options.get("expires")
+    expires = _effective_expires(task, options)
     if expires is not None and (isinstance(expires, bool) or not isinstance(expires, numbers.Real)):
-        return "the entry's options have an absolute expires (its TTL depends on the send time)"
+        return "an absolute expires (its TTL depends on the send time)"
     if not _hook(app):
         return "the app's send_task_message is wrapped by other code"
     return None
+
+
+def _effective_expires(task: Optional[Task], options: Dict[str, Any]) -> Any:
+    """The ``expires`` a send of this entry uses: its options', else the task's own (as
+    ``apply_async`` merges them)."""
+    if "expires" in options:
+        return options["expires"]
+    return getattr(task, "expires", None) if task is not None else None
 
 
 def _per_call_ok() -> bool:
@@ -185,7 +206,11 @@ class Template:
              declare: bool, backend) -> None:
         """Publish one occurrence the way ``send_task`` + ``send_task_message`` would."""
         headers, properties, sent_event = self.stamp(app, task_id, eta, dynamic)
-        name, body, exchange, routing_key = self.name, self.body, self.exchange, self.routing_key
+        # A fresh body as Celery builds per call (args and kwargs are the entry's own objects, as
+        # there): a receiver that edits it edits this message only.
+        args, kwargs, embed = self.body
+        body = (args, kwargs, dict(embed))
+        name, exchange, routing_key = self.name, self.exchange, self.routing_key
         with producer.connection._reraise_as_library_errors():
             if not self.ignore_result:
                 backend.on_task_call(producer, task_id)
@@ -293,7 +318,9 @@ class Templates:
 
 
 def _same(a: Tuple[Any, ...], b: Tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(x is y or (isinstance(x, (str, tuple)) and x == y) for x, y in zip(a, b))
+    """Built from the same entry: same task name and header names, the very same args, kwargs
+    and options objects (an equal copy may differ in type: (1,) == (True,))."""
+    return a[0] == b[0] and a[4] == b[4] and all(x is y for x, y in zip(a[1:4], b[1:4]))
 
 
 def _capture_send(app: Celery, task_name: str, args, kwargs, options, headers, producer) -> Optional[_Captured]:
@@ -310,6 +337,19 @@ def _capture_send(app: Celery, task_name: str, args, kwargs, options, headers, p
         return _capture.result
     finally:
         _capture.active, _capture.result = False, None
+        _forget_placeholder(app)
+
+
+def _forget_placeholder(app: Celery) -> None:
+    """``send_task`` told the result backend about the placeholder id (``on_task_call``: the
+    Redis backend subscribes to its result channel); take that back."""
+    consumer = getattr(app.backend, "result_consumer", None)
+    cancel = getattr(consumer, "cancel_for", None)
+    if cancel is not None:
+        try:
+            cancel(PLACEHOLDER)
+        except Exception:  # nothing was subscribed, or the backend is unreachable: harmless
+            logger.debug("cluster-beat: could not drop the template's result subscription", exc_info=True)
 
 
 def _template(app: Celery, source, captured: _Captured) -> Optional[Template]:
@@ -371,7 +411,9 @@ def _template(app: Celery, source, captured: _Captured) -> Optional[Template]:
         conf.task_publish_retry_policy)
     serializer = serializer or conf.task_serializer
     payload = dumps(body, serializer=serializer)
-    expires = source[3].get("expires")
+    expires = _effective_expires(app.tasks.get(source[0]), source[3])
+    if headers2.get("expires") is not None and expires is None:
+        return None  # an expiry from somewhere this module does not know how to recompute
     try:
         from celery.utils.quorum_queues import detect_quorum_queues
 

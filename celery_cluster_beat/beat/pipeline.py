@@ -153,8 +153,17 @@ class SendPipeline:
                        guarded: bool = True, catchup: frozenset = frozenset(), reason: Optional[str] = None) -> None:
         """Guard, claim (one statement), send what this node won. *catchup* holds the occurrences
         sent as catch-up after downtime (their messages say so)."""
+        won = self.claim(claim, now, guarded=guarded, catchup=catchup, reason=reason)
+        if won is not None:
+            self.send(*won)
+
+    def claim(self, claim: Sequence[Tuple[Entry, Occurrence]], now: datetime, *, guarded: bool = True,
+              catchup: frozenset = frozenset(),
+              reason: Optional[str] = None) -> Optional[Tuple[List[Pending], float]]:
+        """Guard and claim (one statement); the occurrences won, to be passed to :meth:`send`
+        with the monotonic time their claim was read as confirmed (None: nothing to send)."""
         if not claim or not self._still_leader():
-            return
+            return None
         replaces: Dict[Occurrence, str] = {}
         if guarded:
             decision = self.guard.filter(claim, now)
@@ -166,7 +175,7 @@ class SendPipeline:
             for _, occ in decision.buffered:
                 self.report(Outcome.BUFFERED, occ, "previous run still in flight")
         if not claim:
-            return
+            return None
         # A claim whose commit may have succeeded with its reply lost is retried with its token:
         # the rows it wrote then count as won instead of as "claimed by another node".
         resume = self._claim_token is not None
@@ -187,10 +196,10 @@ class SendPipeline:
             if occ in replaces:
                 self.guard.revoke(replaces[occ])
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
-        self.send([Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at=confirmed_at)
+        return [Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at
 
     # -- the one publishing path ----------------------------------------------------
-    def send(self, items: Sequence[Pending], *, confirmed_at: Optional[float] = None) -> None:
+    def send(self, items: Sequence[Pending], confirmed_at: Optional[float] = None) -> None:
         """Publish claimed occurrences chunk by chunk, each confirmed as ours just before.
 
         *confirmed_at* (monotonic, read before the claim or takeover statement) says every row

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from celery import beat
 
 from .. import signals
-from ..config import Entry, Settings, build_entries, default_entries, load_settings
+from ..config import Entry, OverlapPolicy, Settings, build_entries, default_entries, load_settings
 from ..config.celeryconf import has_result_backend
 from ..dynamic import entry_from_row
 from ..errors import ConfigError
@@ -57,6 +57,10 @@ CHANGE_READ_NOTICED = 0.1
 CHANGE_READ_FALLBACK = 5.0
 #: How often the leader looks for a notice (a socket read, no SQL) when nothing else wakes it.
 NOTICE_POLL = 0.5
+#: The leader claims an instant's occurrences this long before it (policy ``allow`` only; at most
+#: claim_grace / 8) and publishes them at the instant: a burst's claim is then off the time to its
+#: last message.
+CLAIM_AHEAD = timedelta(seconds=0.5)
 #: Messages of entries due within this many seconds are built ahead of their fire (see .messages).
 PREPARE_AHEAD = 60.0
 #: Seconds one tick may spend building them; the rest is built on the next ticks.
@@ -147,6 +151,9 @@ class Scheduler(beat.Scheduler):
         #: A configuration error found in tick(): close() raises SystemExit with this status (see .startup).
         self._exit_status = 0
         self._clock = NodeClock(self.settings.node_id)
+        #: How long before an instant its occurrences are claimed: CLAIM_AHEAD, or less with a short
+        #: claim_grace, so that a claim made ahead needs no second confirmation before its publish.
+        self._claim_ahead = min(CLAIM_AHEAD, timedelta(seconds=self.settings.claim_grace / 8))
         self._ops = None  # the HTTP server (/metrics, /healthz, status page) when cluster_beat_http_port is set
         super().__init__(app, schedule=None, max_interval=max_interval, Producer=Producer, lazy=True,
                          sync_every_tasks=sync_every_tasks, **kwargs)
@@ -217,7 +224,7 @@ class Scheduler(beat.Scheduler):
             try:
                 self._store.open()
                 self._store.check_names(self.entries)  # what the database cannot tell apart (a PAD SPACE collation)
-                clash = self._store.stored_get(sorted(self._static))
+                clash = self._store.stored_clashes(self._static)
                 if clash:
                     raise ConfigError([f"beat_schedule entry {r.name!r} and the stored schedule {r.name!r}"
                                        f"{' of ' + repr(r.owner) if r.owner else ''} share a name: rename the entry "
@@ -340,7 +347,11 @@ class Scheduler(beat.Scheduler):
             # The previous leader did not write next_at back for schedules it held in memory: resume
             # those after their last recorded occurrence instead of catching up from a stale next_at.
             stored_last = self._store.last_occurrences([r.name for r in stored]) if stored else {}
-            self._guard.load(self._store.schedule_states(self._static))  # inherit the previous leader's in-flight runs
+            # Inherit the previous leader's in-flight runs, for the entries a guard watches.
+            watched = [n for n in self._static if n in self.entries and
+                       self._guard.policy(self.entries[n]) != OverlapPolicy.ALLOW]
+            if watched:
+                self._guard.load(self._store.schedule_states(watched))
         except StoreUnavailable as exc:
             logger.error("cluster-beat: cannot read the claim store (%s); retrying", exc)
             self._db_trouble()
@@ -363,12 +374,18 @@ class Scheduler(beat.Scheduler):
             if known is not None:
                 known[c.name] = max(known.get(c.name, c.resumed_at), c.resumed_at)
         fires: Dict[str, datetime] = {}
+        known: Dict[tuple, datetime] = {}  # thousands of entries share a few rules and instants
         for name, entry in self.entries.items():
             if not entry.enabled or name in self._paused:
                 continue
             # Resume after the last recorded occurrence, or from when the schedule was first
             # seen: it does not catch up to before it existed.
-            fires[name] = entry.schedule.next_fire(last.get(name, now))
+            after = last.get(name, now)
+            key = (entry.schedule.fires_key(), after)
+            nxt = known.get(key)
+            if nxt is None:
+                nxt = known[key] = entry.schedule.next_fire(after)
+            fires[name] = nxt
         self._queue = Timeline(fires)
         self._log_schedule(fires)
         self._stored_version = version
@@ -485,7 +502,7 @@ class Scheduler(beat.Scheduler):
         if store_ok:
             self._guarded_store_call(self._follow_stored, "reading stored schedule changes")
         store_ok = time.monotonic() >= self._db_backoff_until
-        if store_ok and self._queue and self._queue.peek()[0] <= self._clock.now():
+        if store_ok and self._queue and self._queue.peek()[0] <= self._clock.now() + self._claim_ahead:
             self._run_due()
         store_ok = time.monotonic() >= self._db_backoff_until  # again: the due pass may have failed
         retry_in = self._pipeline.next_retry_in()
@@ -530,7 +547,8 @@ class Scheduler(beat.Scheduler):
         mono = time.monotonic()
         wait = min(self.max_interval, self._next_housekeeping - mono)
         if self._queue:
-            wait = min(wait, (self._queue.peek()[0] - self._clock.now()).total_seconds())
+            ahead = self._claim_ahead if self._active else timedelta(0)
+            wait = min(wait, (self._queue.peek()[0] - ahead - self._clock.now()).total_seconds())
         if self._active:
             wait = min(wait, self._next_change_check_in(mono))
         retry_in = self._pipeline.next_retry_in() if self._pipeline is not None else None
@@ -569,6 +587,10 @@ class Scheduler(beat.Scheduler):
 
     def _run_due(self) -> None:
         now = self._clock.now()
+        head = self._queue.peek()[0]
+        if head > now:  # up to CLAIM_AHEAD early: claim this instant's occurrences now, send them at it
+            self._run_ahead(head)
+            return
         due, leaving = self._pop_due(now)
         s = self.settings
         claim: List[Tuple[Entry, Occurrence]] = []
@@ -605,11 +627,52 @@ class Scheduler(beat.Scheduler):
                            ", ..." if len(names) > 5 else "",
                            f"; {truncated} schedule(s) missed more than the {CATCHUP_RECORD_LIMIT} recorded"
                            if truncated else "")
+        self._claim_due(due, leaving, lambda: self._send_due(missed, claim, now, catchup))
+
+    def _send_due(self, missed: List[Occurrence], claim: List[Tuple[Entry, Occurrence]], now: datetime,
+                  catchup: set) -> None:
+        if missed:
+            for occ in self._store.record(missed, status=ClaimStatus.MISSED, reason="catchup", term=self._term()):
+                self._report(Outcome.MISSED, occ, "catchup")
+        self._pipeline.claim_and_send(claim, now, catchup=frozenset(catchup))
+
+    def _run_ahead(self, instant: datetime) -> None:
+        """Claim the occurrences due at *instant* (a moment away) now and publish them at it.
+
+        Only entries without an overlap guard are claimed ahead: a guard must judge the previous
+        run at the instant itself. The claim is a normal one (fenced, confirmed before each
+        publish), made by the only thread of the loop, which then waits for the instant: no
+        other change can come in between. A row claimed ahead and handed over on a stop is not
+        taken over before its instant (ClaimStore.take_over_stale).
+        """
+        due, leaving = self._pop_due(instant)
+        policy = self._guard.policy
+        ahead = [(e, Occurrence(e.name, at)) for e, at, _ in due if policy(e) == OverlapPolicy.ALLOW]
+        guarded = [d for d in due if policy(d[0]) != OverlapPolicy.ALLOW]
+        todo = list(due)  # what a store failure puts back into the queue
+
+        def send() -> None:
+            won = self._pipeline.claim(ahead, instant)
+            # Wait by the node's clock, which instants are compared with; a clock stepped back
+            # meanwhile (more than the wait could take) does not hold the loop and its lease.
+            give_up = time.monotonic() + 2 * self._claim_ahead.total_seconds()
+            while time.monotonic() < give_up:
+                wait = (instant - self._clock.now()).total_seconds()
+                if wait <= 0:
+                    break
+                time.sleep(max(0.0, min(wait, give_up - time.monotonic())))
+            if won is not None:
+                self._pipeline.send(*won)
+            todo[:] = guarded  # the rest is the pipeline's now (sent, retried or left to the sweep)
+            self._pipeline.claim_and_send([(e, Occurrence(e.name, at)) for e, at, _ in guarded], self._clock.now())
+
+        self._claim_due(todo, leaving, send)
+
+    def _claim_due(self, due, leaving, send: Callable[[], None]) -> bool:
+        """Run *send* for the popped *due* entries; on a store failure put them back (the retry
+        applies the catch-up policy) and return False."""
         try:
-            if missed:
-                for occ in self._store.record(missed, status=ClaimStatus.MISSED, reason="catchup", term=self._term()):
-                    self._report(Outcome.MISSED, occ, "catchup")
-            self._pipeline.claim_and_send(claim, now, catchup=frozenset(catchup))
+            send()
         except (StoreUnavailable, Exception) as exc:
             if isinstance(exc, StaleTermError):
                 raise
@@ -623,11 +686,12 @@ class Scheduler(beat.Scheduler):
             for entry, at, _ in due:  # put them back: the retry applies the catch-up policy
                 if self.entries.get(entry.name) is entry:
                     self._queue.set(entry.name, at)
-            return
+            return False
         if not self._pipeline.unmarked:
             self._db_ok()
         if leaving:
             self._release_stored(leaving)
+        return True
 
     # -- stored schedules ----------------------------------------------------------
     def _hold(self, rows, last: Optional[Dict[str, datetime]] = None) -> None:

@@ -60,6 +60,10 @@ def _check_options(options: Any) -> Optional[str]:
     return None
 
 
+_CELERY_KEYS = frozenset(CELERY_KEYS)
+_OUR_KEYS = frozenset(OUR_KEYS)
+
+
 def _maybe(kind: Any, value: Any) -> Any:
     return None if value is None else kind(value)
 
@@ -78,10 +82,15 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
         return None, [f"{label} {name!r}: name: expected a non-empty string"]
     if len(name) > MAX_NAME_LENGTH:
         bad("name", f"longer than {MAX_NAME_LENGTH} characters")
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, (dict, Mapping)):  # a dict first: the ABC check is the slow one
         return None, [f"{label} {name!r}: expected a dict with 'task' and 'schedule', got {type(spec).__name__}"]
+    ours = False  # any of our own keys: only then are they checked one by one
     for key in spec:
-        if key not in CELERY_KEYS and key not in OUR_KEYS:
+        if key in _CELERY_KEYS:
+            continue
+        if key in _OUR_KEYS:
+            ours = True
+        else:
             bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")
     task = spec.get("task")
     if not isinstance(task, str) or not task:
@@ -98,28 +107,30 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
     if not isinstance(args, (list, tuple)):
         bad("args", f"expected a list or tuple, got {type(args).__name__}")
     kwargs = spec.get("kwargs") or {}
-    if not isinstance(kwargs, Mapping):
+    if not isinstance(kwargs, (dict, Mapping)):
         bad("kwargs", f"expected a dict, got {type(kwargs).__name__}")
     options = spec.get("options") or {}
-    reason = _check_options(options)
+    reason = _check_options(options) if options else None
     if reason:
         bad("options", reason)
-    for key, kind in (("overlap", OverlapPolicy), ("catchup", CatchupPolicy)):
-        value = spec.get(key)
-        reason = None if value is None else choice_problem(value, kind)
-        if reason:
-            bad(key, reason)
-    for key, zero_ok in (("max_run_time", False), ("jitter", True), ("catchup_window", False)):
-        value = spec.get(key)
-        reason = None if value is None else seconds_problem(value, zero_ok=zero_ok)
-        if reason:
-            bad(key, reason)
-    enabled = spec.get("enabled", True)
-    if not isinstance(enabled, bool):
-        bad("enabled", f"expected True or False, got {enabled!r}")
-    description = spec.get("description") or ""
-    if not isinstance(description, str):
-        bad("description", f"expected a string, got {type(description).__name__}")
+    enabled, description = True, ""
+    if ours:
+        for key, kind in (("overlap", OverlapPolicy), ("catchup", CatchupPolicy)):
+            value = spec.get(key)
+            reason = None if value is None else choice_problem(value, kind)
+            if reason:
+                bad(key, reason)
+        for key, zero_ok in (("max_run_time", False), ("jitter", True), ("catchup_window", False)):
+            value = spec.get(key)
+            reason = None if value is None else seconds_problem(value, zero_ok=zero_ok)
+            if reason:
+                bad(key, reason)
+        enabled = spec.get("enabled", True)
+        if not isinstance(enabled, bool):
+            bad("enabled", f"expected True or False, got {enabled!r}")
+        description = spec.get("description") or ""
+        if not isinstance(description, str):
+            bad("description", f"expected a string, got {type(description).__name__}")
     if problems:
         return None, problems
     return (

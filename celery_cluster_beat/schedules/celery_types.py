@@ -9,6 +9,7 @@ rule without a zone follow the Celery app's ``timezone``.
 """
 from __future__ import annotations
 
+import weakref
 from datetime import datetime, timedelta, tzinfo
 from typing import Any, Optional
 
@@ -21,6 +22,9 @@ from .rules import CronRule, EveryRule, Interval, ScheduleRule
 from .tzwall import get_zone, zone_name
 
 __all__ = ["cron", "every", "ClusterSchedule", "as_schedule", "app_zone", "local_zone"]
+
+#: The zone of each app that schedules were bound to, read from its configuration at first use.
+_APP_ZONES: "weakref.WeakKeyDictionary[Any, tzinfo]" = weakref.WeakKeyDictionary()
 
 
 def app_zone(app: Any) -> tzinfo:
@@ -71,7 +75,13 @@ class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
                 return UTC
         cached = getattr(self, "_zone_cache", None)
         if cached is None or cached[0] is not app:  # bound app: read its config once, not per call
-            cached = self._zone_cache = (app, app_zone(app))
+            try:
+                zone = _APP_ZONES.get(app)
+                if zone is None:  # once per app, as Celery's own app.timezone: 20,000 entries, one read
+                    zone = _APP_ZONES[app] = app_zone(app)
+            except TypeError:  # an app object that cannot be weakly referenced: once per schedule
+                zone = app_zone(app)
+            cached = self._zone_cache = (app, zone)
         return cached[1]
 
     # -- Celery's BaseSchedule interface ---------------------------------------

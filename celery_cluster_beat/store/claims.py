@@ -117,6 +117,11 @@ def _unique(occurrences: Iterable[Occurrence]) -> list[Occurrence]:
     return out
 
 
+#: Above this many names, :meth:`ClaimStore.last_occurrences` reads the whole table once and
+#: filters, instead of looking the names up 500 at a time.
+_READ_ALL_ABOVE = 2000
+
+
 class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQueries):
     """Atomic, fenced claims of occurrences in a SQL database shared by all replicas."""
 
@@ -608,7 +613,7 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
         *grace* seconds, or the claim predates the claimant's current start (it
         restarted), or it handed the row over (:meth:`release`), or it never
         heartbeated at all. A row is taken only once it is itself older than
-        *grace*. This node's own rows older than *grace* are adopted too: they
+        *grace*, and not before its instant (a leader claims a moment ahead). This node's own rows older than *grace* are adopted too: they
         are ones it lost track of (the caller skips those it is retrying).
 
         The UPDATE repeats each row's old node and claimed_at in its WHERE, so
@@ -630,7 +635,9 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
             query = (
                 sa.select(*KEY_COLUMNS, c.c.node, c.c.claimed_at, c.c.task_id)
                 .select_from(c.outerjoin(n, n.c.node == c.c.node))
-                .where(c.c.status == ClaimStatus.CLAIMED.value, c.c.claimed_at < cutoff, gone)
+                # Claimed ahead of its instant and handed over: not published before the instant.
+                .where(c.c.status == ClaimStatus.CLAIMED.value, c.c.claimed_at < cutoff, gone,
+                       c.c.scheduled_at <= now)
                 .order_by(c.c.claimed_at, *KEY_COLUMNS)
                 .limit(limit)
             )
@@ -767,6 +774,10 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
         if names is None:
             return {name: at for name, at in self._run(lambda conn: conn.execute(stmt).all(), write=False)}
         wanted = sorted(set(names))
+        if len(wanted) > _READ_ALL_ABOVE:  # every entry at start-up: one read beats a lookup per 500
+            keep = set(wanted)
+            rows = self._run(lambda conn: conn.execute(stmt).all(), write=False)
+            return {name: at for name, at in rows if name in keep}
 
         def read(conn: Connection) -> dict[str, datetime]:
             out: dict[str, datetime] = {}
@@ -787,9 +798,7 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
 
         def work(conn: Connection) -> datetime:
             now = self._now(conn)
-            rows = [{"name": name, "registered_at": now, "updated_at": now} for name in sorted(set(names))]
-            for chunk in chunks(rows, self._dialect.batch):
-                self._dialect.insert_if_absent(conn, schedules_table, list(chunk), ["name"])
+            self._dialect.insert_names(conn, schedules_table, sorted(set(names)), now)
             return now
 
         return self._run(work)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import sqlalchemy as sa
 
@@ -180,6 +180,22 @@ class StoredScheduleQueries:
             return out
 
         return self._run(read, write=False)
+
+    @database_errors
+    def stored_clashes(self, names: Collection[str]) -> List[StoredRow]:
+        """The live stored schedules named like one of *names* (beat_schedule entries).
+
+        Thousands of names are matched against one read of the stored names, not a lookup
+        each; a few are looked up."""
+        if not names:
+            return []
+        if len(names) <= _BATCH:
+            return self.stored_get(list(names))
+        t = stored_schedules_table
+        stored = self._run(lambda conn: conn.execute(sa.select(t.c.name).where(t.c.deleted == sa.false())).scalars()
+                           .all(), write=False)
+        both = set(stored).intersection(names)
+        return self.stored_get(sorted(both)) if both else []
 
     @database_errors
     def stored_list(self, *, owner: Optional[str] = None, limit: Optional[int] = None) -> List[StoredRow]:

@@ -288,3 +288,84 @@ def test_a_task_class_overriding_apply_async_keeps_its_per_call_code(redis_url, 
     ours, celery_sent, _, _ = both_ways(app, client, queue, d, template=False)
     assert without_tag(ours) == without_tag(celery_sent)
     assert calls == [d.occurrence.task_id, d.occurrence.task_id]  # ours, then Celery's reference send
+
+
+def test_a_tasks_own_relative_expires_is_computed_from_each_send_time(redis_url, queue, client, TASK, monkeypatch):
+    """``@app.task(expires=30)``: apply_async merges it in, so each message expires 30 s after
+    its own send, not 30 s after the template was built (a template built ahead would
+    otherwise send messages that are already expired)."""
+    app = make_app(redis_url, queue)
+
+    @app.task(name=TASK, expires=30)
+    def report(*args):
+        return None
+
+    publisher = Publisher(app, "node-a")
+    built_at, sent_at = FROZEN, FROZEN + timedelta(seconds=60)
+    monkeypatch.setattr(app, "now", lambda: built_at)
+    d = Dispatch(occurrence(), TASK, (1,), {}, {})
+    assert publisher.prepare(d)
+    monkeypatch.setattr(app, "now", lambda: sent_at)
+    ours, celery_sent, _, _ = both_ways(app, client, queue, d, publisher=publisher)
+    assert without_tag(ours) == without_tag(celery_sent)
+    assert json.loads(ours)["headers"]["expires"] == (sent_at + timedelta(seconds=30)).isoformat()
+
+
+def test_apply_async_wrapped_globally_by_a_monitoring_library_keeps_its_per_call_code(
+        redis_url, queue, client, TASK, monkeypatch):
+    """Sentry's Celery integration replaces ``Task.apply_async`` with a ``functools.wraps``
+    wrapper that adds a fresh trace header per call: every message goes through it."""
+    import functools
+
+    from celery.app.task import Task
+
+    original = Task.apply_async
+    traces = iter(range(1000))
+
+    @functools.wraps(original)
+    def traced(self, args=None, kwargs=None, **options):
+        options["headers"] = dict(options.get("headers") or {}, trace=f"t-{next(traces)}")
+        return original(self, args, kwargs, **options)
+
+    monkeypatch.setattr(Task, "apply_async", traced)
+    app = make_app(redis_url, queue)
+
+    @app.task(name=TASK)
+    def report(*args):
+        return None
+
+    publisher = Publisher(app, "node-a")
+    occs = [Occurrence("nightly", AT + timedelta(minutes=m)) for m in range(3)]
+    assert publisher.publish([Dispatch(o, TASK, (1,), {}, {}) for o in occs]) == [None] * 3
+    assert (publisher.stamped, publisher.celery_path) == (0, 3)
+    sent = [json.loads(r)["headers"]["trace"] for r in drain(client, queue)]
+    assert sorted(sent) == ["t-0", "t-1", "t-2"]
+
+
+def test_a_receiver_editing_one_messages_body_does_not_edit_the_next(redis_url, queue, client, TASK):
+    """Celery builds a fresh body per call; so do we: an edit stays in its own message."""
+    app = make_app(redis_url, queue)
+
+    @app.task(name=TASK)
+    def report(*args):
+        return None
+
+    def chain_first(sender=None, headers=None, body=None, **kw):
+        if headers.get("cluster_beat_attempt") == 2:
+            body[2]["chain"] = [{"task": "other"}]
+
+    signals.before_task_publish.connect(chain_first, weak=False)
+    try:
+        publisher = Publisher(app, "node-a")
+        first = Dispatch(Occurrence("nightly", AT), TASK, (1,), {}, {}, attempt=2)
+        second = Dispatch(Occurrence("nightly", AT + timedelta(minutes=1)), TASK, (1,), {}, {})
+        assert publisher.publish([first, second]) == [None, None]
+    finally:
+        signals.before_task_publish.disconnect(chain_first)
+    assert publisher.stamped == 2
+    import base64
+
+    bodies = {json.loads(r)["headers"]["cluster_beat_attempt"]: json.loads(base64.b64decode(json.loads(r)["body"]))
+              for r in drain(client, queue)}
+    assert bodies[2][2]["chain"] == [{"task": "other"}]
+    assert bodies[1][2]["chain"] is None

@@ -36,7 +36,7 @@ from celery_cluster_beat.store.schema import (
 )
 
 UTC = timezone.utc
-T0 = datetime(2030, 1, 1, tzinfo=UTC)
+T0 = datetime(2021, 1, 1, tzinfo=UTC)  # in the past: a stale claim is taken over only after its instant
 
 
 def occ(name: str, minute: int) -> Occurrence:
@@ -204,6 +204,30 @@ def test_a_re_registered_node_loses_the_claims_of_its_previous_incarnation_only(
     nodes = {n.node: n for n in node.nodes()}
     assert set(nodes) == {"node-a"}  # the sweeper never heartbeated: it only reads
     assert nodes["node-a"].started_at < nodes["node-a"].heartbeat_at
+
+
+def test_a_claim_made_ahead_of_its_instant_and_handed_over_is_not_taken_before_the_instant(make_store):
+    """The leader claims a burst a moment before its instant and publishes at the instant. If it
+    stops in between, the rows it hands over must not be published early by the next sender:
+    ``take_over_stale`` adopts them only once the database's clock reaches their instant.
+
+    Fails if the sweep ignored the instant (a daily 00:00 task could run at 23:59:59.6).
+    """
+    a, b = make_store("node-a"), make_store("node-b")
+    a.heartbeat(scheduling=True, register=True)
+    db_now = b.heartbeat(scheduling=True, register=True)
+    ahead = Occurrence("ahead", db_now + timedelta(seconds=2))
+    due = Occurrence("due", db_now - timedelta(seconds=1))
+    assert a.claim([ahead, due]) == [ahead, due]
+    assert a.release() == 2
+    assert keys(b.take_over_stale(3600)) == keys([due])
+    deadline = time.monotonic() + 30
+    taken = []
+    while not taken and time.monotonic() < deadline:
+        time.sleep(0.2)
+        taken = b.take_over_stale(3600)
+    assert keys(taken) == keys([ahead])
+    assert b.heartbeat(scheduling=True) >= ahead.at
 
 
 def test_release_hands_the_claims_over_at_once_and_confirm_returns_only_rows_still_ours(make_store):

@@ -230,6 +230,13 @@ class Dialect:
         """Insert *rows* whose primary key *key* is not taken yet; leave the others alone."""
         conn.execute(self.insert(table).on_conflict_do_nothing(index_elements=list(key)), rows)
 
+    def insert_names(self, conn: Connection, table: sa.Table, names: Sequence[str], now: datetime) -> None:
+        """Insert-if-absent a row (name, registered_at=now, updated_at=now) per name: the
+        registration of every schedule at a first start, thousands at once."""
+        rows = [{"name": name, "registered_at": now, "updated_at": now} for name in names]
+        for chunk in chunks(rows, self.batch):
+            self.insert_if_absent(conn, table, list(chunk), ["name"])
+
     def insert_claims(self, conn: Connection, ordered: Sequence[Occurrence], shared: ClaimValues) -> set[Key]:
         """Insert-if-absent a claim row for each of *ordered* (sorted by key); return the keys this call inserted."""
         c = claims_table

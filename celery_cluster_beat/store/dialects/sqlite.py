@@ -10,7 +10,8 @@ row-value IN, which SQLite answers with a temporary index).
 """
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
@@ -23,6 +24,14 @@ _WRITE = "ccb_write"
 
 
 class SQLiteDialect(Dialect):
+    def insert_names(self, conn: Connection, table: sa.Table, names: Sequence[str], now: datetime) -> None:
+        # The sqlite3 module's executemany, in C, with the one instant converted once: 20,000
+        # names in a few milliseconds instead of a quarter of a second of bind processing.
+        convert = table.c.registered_at.type.bind_processor(conn.dialect)
+        at = convert(now) if convert else now
+        conn.exec_driver_sql(f"INSERT OR IGNORE INTO {table.name} (name, registered_at, updated_at) VALUES (?, ?, ?)",
+                             [(name, at, at) for name in names])
+
     def engine_options(self, url: URL) -> dict[str, Any]:
         return {}  # a file: no server to time out on
 

@@ -1,0 +1,94 @@
+"""Claiming ahead: the leader claims an instant's occurrences up to ``CLAIM_AHEAD`` before it and
+publishes them at the instant, so a burst's claim is not part of its lateness; never a message
+before its instant, and never an overlap guard judged early.
+
+A real :class:`Scheduler` driven the way beat drives it (``tick()``, then sleep what it
+returns) on a real PostgreSQL claim store and a real Redis broker and result backend; publish
+times are read in-process from ``after_task_publish``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import List, Tuple
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from celery import Celery, signals
+
+from celery_cluster_beat import every
+from celery_cluster_beat.beat.scheduler import CLAIM_AHEAD, Scheduler
+from celery_cluster_beat.leader.lease import cluster_key, lease_keys
+from celery_cluster_beat.store import ClaimStore
+
+BROKER_DB = 7
+
+
+def _run(sched: Scheduler, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(sched.tick(), max(end - time.monotonic(), 0.001)))
+
+
+@pytest.fixture
+def app(redis_url, pg_url):
+    url = urlunsplit(urlsplit(redis_url)._replace(path=f"/{BROKER_DB}"))
+    name = "ccb_ahead_" + uuid.uuid4().hex[:8]
+    app = Celery(name, broker=url, backend=url)
+    app.conf.update(task_default_queue="q_" + name, cluster_beat_db_url=pg_url, cluster_beat_redis_url="")
+    yield app
+    client = redis.Redis.from_url(url)
+    client.delete(app.conf.task_default_queue, cluster_key(app.main), *lease_keys(app.main)[:2])
+    client.close()
+    app.close()
+
+
+@pytest.mark.timeout(90)
+def test_unguarded_occurrences_are_claimed_ahead_and_none_is_published_before_its_instant(app, pg_url):
+    """20 unguarded every-2 s entries and one guarded by ``overlap: skip``, over 7 s.
+
+    Fails if a message goes out before its instant (the wait for the instant is missing), if
+    no unguarded occurrence was claimed before its instant (the claim is still on the send
+    path), or if the guarded entry was claimed before its instant (its guard would judge the
+    previous run early).
+    """
+    schedule = {f"free{i:02d}": {"task": "ahead.free", "schedule": every(2), "overlap": "allow"}
+                for i in range(20)}
+    schedule["guarded"] = {"task": "ahead.guarded", "schedule": every(2), "overlap": "skip"}
+    app.conf.beat_schedule = schedule
+    published: List[Tuple[float, str, str]] = []
+
+    def on_publish(sender=None, headers=None, **kw):
+        if headers and headers.get("cluster_beat_schedule"):
+            published.append((time.time(), headers["cluster_beat_schedule"], headers["cluster_beat_scheduled_at"]))
+
+    signals.after_task_publish.connect(on_publish, weak=False)
+    sched = Scheduler(app, lazy=False)
+    try:
+        _run(sched, 7)
+    finally:
+        sched.close()
+        signals.after_task_publish.disconnect(on_publish)
+
+    assert len({name for _, name, _ in published}) == 21, sorted({name for _, name, _ in published})
+    early = [(name, at, round(instant_of(at) - t, 3)) for t, name, at in published if t < instant_of(at)]
+    assert not early, f"published before the instant: {early[:5]}"
+
+    store = ClaimStore(pg_url, node_id="reader")
+    store.open()
+    try:
+        rows = [r for r in store.claims() if r.status == "sent"]
+    finally:
+        store.close()
+    ahead = [r for r in rows if r.schedule.startswith("free") and r.claimed_at < r.scheduled_at]
+    assert ahead, "no unguarded occurrence was claimed ahead of its instant"
+    assert all(r.scheduled_at - r.claimed_at <= CLAIM_AHEAD + timedelta(seconds=0.2) for r in ahead)
+    guarded = [r for r in rows if r.schedule == "guarded"]
+    assert guarded and all(r.claimed_at >= r.scheduled_at - timedelta(milliseconds=20) for r in guarded), \
+        [(r.scheduled_at, r.claimed_at) for r in guarded]
+
+
+def instant_of(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(timezone.utc).timestamp()

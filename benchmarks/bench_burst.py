@@ -29,7 +29,8 @@ lease in the broker's Redis. Plain beat is ``celery.beat:PersistentScheduler``
 (shelve file in the temp folder); RedBeat keeps its entries and lock in the
 same Redis DB. That DB (``--redis-db``) is FLUSHED at start and at the end.
 
-Target for ours: all N sent exactly once, the last one within 2 s of the minute.
+Targets for ours: all N sent exactly once, the last one within 2 s of the minute and
+within 0.15x of RedBeat's time to its last message in the same run.
 Exit status 1 when ours misses it.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ from common import log  # noqa: E402
 POLL = 0.05
 SETTLE = 5.0  # once every entry is queued, keep watching this long for duplicates
 TARGET_LAST = 2.0
+TARGET_SHARE_OF_REDBEAT = 0.15  # ours' last message at most this share of RedBeat's, same run
 
 
 @dataclass
@@ -245,6 +247,13 @@ def report(results: List[Result], args) -> bool:
             ok &= good
             print(f"target {a}: all {r.entries} sent exactly once, last within {TARGET_LAST:.0f}s of the minute -> "
                   f"{'MET' if good else 'MISSED'} (sent {r.sent}, dups {r.dups}, last {common.num(r.last)}s)")
+            rb = by.get("redbeat")
+            if rb is not None and rb.last is not None and r.last is not None and rb.sent == rb.entries:
+                share = r.last / rb.last
+                ok &= share <= TARGET_SHARE_OF_REDBEAT
+                print(f"target {a}: last message within {TARGET_SHARE_OF_REDBEAT:g}x RedBeat's in this run -> "
+                      f"{'MET' if share <= TARGET_SHARE_OF_REDBEAT else 'MISSED'} ({share:.3f}x: "
+                      f"{common.num(r.last)}s vs {common.num(rb.last)}s)")
     notes = [(r.label, n) for r in results for n in r.notes]
     if notes:
         print()

@@ -92,3 +92,33 @@ def test_unguarded_occurrences_are_claimed_ahead_and_none_is_published_before_it
 
 def instant_of(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(timezone.utc).timestamp()
+
+
+@pytest.mark.timeout(120)
+def test_messages_of_entries_due_within_a_minute_are_built_before_their_fire(app):
+    """While nothing is due, the leader builds the messages of entries due within 60 s, so a
+    burst only stamps them: every entry has its template before its first fire, and the fire
+    is sent from it (not through Celery's per-message path).
+
+    Fails if templates were built only at the first send (a first burst would pay Celery's
+    whole per-message path plus the capture)."""
+    schedule = {f"soon{i:02d}": {"task": "ahead.soon", "schedule": every(60), "overlap": "allow"}
+                for i in range(40)}
+    app.conf.beat_schedule = schedule
+    if 60 - time.time() % 60 < 8:  # start well before a minute boundary: no fire before the check
+        time.sleep(60 - time.time() % 60 + 0.5)
+    sched = Scheduler(app, lazy=False)
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not sched._active:
+            time.sleep(min(sched.tick(), 0.2))
+        assert sched._active
+        _run(sched, 1.5)
+        publisher = sched._pipeline.publisher
+        assert (publisher.stamped, publisher.celery_path) == (0, 0), "nothing is due yet"
+        built = [name for name in schedule if publisher.templates.has(name)]
+        assert sorted(built) == sorted(schedule), f"{len(built)} of {len(schedule)} built ahead"
+        _run(sched, 60 - time.time() % 60 + 1.5)  # through the fire
+        assert (publisher.stamped, publisher.celery_path) == (len(schedule), 0)
+    finally:
+        sched.close()

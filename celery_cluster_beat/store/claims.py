@@ -774,10 +774,18 @@ class ClaimStore(LedgerQueries, StoredScheduleQueries, ControlQueries, OpsQuerie
         if names is None:
             return {name: at for name, at in self._run(lambda conn: conn.execute(stmt).all(), write=False)}
         wanted = sorted(set(names))
-        if len(wanted) > _READ_ALL_ABOVE:  # every entry at start-up: one read beats a lookup per 500
-            keep = set(wanted)
-            rows = self._run(lambda conn: conn.execute(stmt).all(), write=False)
-            return {name: at for name, at in rows if name in keep}
+        if len(wanted) > _READ_ALL_ABOVE:  # every entry at start-up: one read may beat a lookup per 500
+
+            def read_all(conn: Connection) -> dict[str, datetime] | None:
+                total = conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+                if total > 2 * len(wanted):  # mostly other schedules' rows (stored ones): look up
+                    return None
+                keep = set(wanted)
+                return {name: at for name, at in conn.execute(stmt) if name in keep}
+
+            found = self._run(read_all, write=False)
+            if found is not None:
+                return found
 
         def read(conn: Connection) -> dict[str, datetime]:
             out: dict[str, datetime] = {}

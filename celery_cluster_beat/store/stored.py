@@ -192,8 +192,16 @@ class StoredScheduleQueries:
         if len(names) <= _BATCH:
             return self.stored_get(list(names))
         t = stored_schedules_table
-        stored = self._run(lambda conn: conn.execute(sa.select(t.c.name).where(t.c.deleted == sa.false())).scalars()
-                           .all(), write=False)
+
+        def read(conn: Connection) -> Optional[List[str]]:
+            total = conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
+            if total > 2 * len(names):  # many stored schedules: looking the names up reads less
+                return None
+            return list(conn.execute(sa.select(t.c.name).where(t.c.deleted == sa.false())).scalars())
+
+        stored = self._run(read, write=False)
+        if stored is None:
+            return self.stored_get(list(names))
         both = set(stored).intersection(names)
         return self.stored_get(sorted(both)) if both else []
 

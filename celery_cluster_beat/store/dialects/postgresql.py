@@ -178,7 +178,9 @@ class PostgreSQLDialect(Dialect):
         # the result stays exact under concurrency. (Why not an IN list or a
         # plain join: see the comment above Dialect.key_match.)
         c = claims_table
-        doc = _json_rows(cols, keys)  # keys are names and instants: always exact in JSON
+        doc = _json_rows(cols, keys)
+        if doc is None:  # keys are names and aware instants; anything else is a bug, never "no rows"
+            raise TypeError(f"claim keys without an exact JSON form: {list(keys)[:3]!r}")
         types = ", ".join(f"{col} {'TIMESTAMP WITHOUT TIME ZONE' if is_instant(col) else 'VARCHAR'}" for col in cols)
         match = " AND ".join(f"c2.{col} = k.{col}" for col in cols)
         return [

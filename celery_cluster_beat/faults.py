@@ -30,6 +30,7 @@ from typing import Dict, Optional, Tuple, Type
 #: Points the package calls; tests name them in CCB_FAULTS.
 POINTS = frozenset({
     "before-claim",  # the lease was checked, the claim statement not yet sent
+    "claimed-ahead",  # occurrences claimed ahead of their instant, waiting for it, none published
     "claim-committed",  # a claim transaction committed; its reply not yet handled
     "claim-in-transaction",  # inside the claim transaction, after the fence, before the insert
     "before-publish",  # a publish chunk passed its ownership check, nothing sent yet

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from celery import beat
 
-from .. import signals
+from .. import faults, signals
 from ..config import Entry, OverlapPolicy, Settings, build_entries, default_entries, load_settings
 from ..config.celeryconf import has_result_backend
 from ..dynamic import entry_from_row
@@ -154,6 +154,8 @@ class Scheduler(beat.Scheduler):
         #: How long before an instant its occurrences are claimed: CLAIM_AHEAD, or less with a short
         #: claim_grace, so that a claim made ahead needs no second confirmation before its publish.
         self._claim_ahead = min(CLAIM_AHEAD, timedelta(seconds=self.settings.claim_grace / 8))
+        #: (instant, claim) of occurrences claimed ahead and waiting for their instant (see _run_ahead).
+        self._ahead: Optional[Tuple[datetime, Optional[Tuple[list, float]]]] = None
         self._ops = None  # the HTTP server (/metrics, /healthz, status page) when cluster_beat_http_port is set
         super().__init__(app, schedule=None, max_interval=max_interval, Producer=Producer, lazy=True,
                          sync_every_tasks=sync_every_tasks, **kwargs)
@@ -652,21 +654,36 @@ class Scheduler(beat.Scheduler):
         todo = list(due)  # what a store failure puts back into the queue
 
         def send() -> None:
-            won = self._pipeline.claim(ahead, instant)
-            # Wait by the node's clock, which instants are compared with; a clock stepped back
-            # meanwhile (more than the wait could take) does not hold the loop and its lease.
-            give_up = time.monotonic() + 2 * self._claim_ahead.total_seconds()
-            while time.monotonic() < give_up:
-                wait = (instant - self._clock.now()).total_seconds()
-                if wait <= 0:
-                    break
-                time.sleep(max(0.0, min(wait, give_up - time.monotonic())))
-            if won is not None:
-                self._pipeline.send(*won)
+            # Claimed and not yet out: a stop during the wait (beat's SIGTERM handler calls
+            # close(), then raises SystemExit) publishes them at the instant first, in close().
+            # Handed over unsent instead, a node started later would resend an instant that
+            # passed while none ran, whatever its catch-up policy.
+            self._ahead = (instant, self._pipeline.claim(ahead, instant))
+            stop: Optional[BaseException] = None
+            try:
+                faults.hit("claimed-ahead")
+                self._wait_for(instant)
+            except (SystemExit, KeyboardInterrupt) as exc:
+                stop = exc
+            pending, self._ahead = self._ahead, None
+            if pending is not None and pending[1] is not None:
+                self._pipeline.send(*pending[1])
+            if stop is not None:
+                raise stop
             todo[:] = guarded  # the rest is the pipeline's now (sent, retried or left to the sweep)
             self._pipeline.claim_and_send([(e, Occurrence(e.name, at)) for e, at, _ in guarded], self._clock.now())
 
         self._claim_due(todo, leaving, send)
+
+    def _wait_for(self, instant: datetime) -> None:
+        """Sleep until *instant* by the node's clock, which instants are compared with; a clock
+        stepped back meanwhile (more than the wait could take) does not hold the loop and its lease."""
+        give_up = time.monotonic() + 2 * self._claim_ahead.total_seconds()
+        while time.monotonic() < give_up:
+            wait = (instant - self._clock.now()).total_seconds()
+            if wait <= 0:
+                return
+            time.sleep(max(0.0, min(wait, give_up - time.monotonic())))
 
     def _claim_due(self, due, leaving, send: Callable[[], None]) -> bool:
         """Run *send* for the popped *due* entries; on a store failure put them back (the retry
@@ -1022,6 +1039,16 @@ class Scheduler(beat.Scheduler):
                 status, self._exit_status = self._exit_status, 0
                 raise SystemExit(status)
             return
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[1] is not None and self._pipeline is not None:
+            # Called inside the wait of _run_ahead (beat's stop signal handler): what was claimed
+            # ahead goes out at its instant, then everything closes as usual.
+            try:
+                self._wait_for(ahead[0])
+                self._pipeline.send(*ahead[1])
+            except Exception as exc:  # the store or broker failed: abandon() below hands it over
+                logger.warning("cluster-beat: could not publish the occurrences claimed ahead of %s while "
+                               "stopping: %r", ahead[0].isoformat(), exc)
         self._closed = True
         self._active = False
         if self._pipeline is not None:

@@ -122,3 +122,57 @@ def test_messages_of_entries_due_within_a_minute_are_built_before_their_fire(app
         assert (publisher.stamped, publisher.celery_path) == (len(schedule), 0)
     finally:
         sched.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_waiting_for_the_instant_publishes_what_was_claimed_ahead_then_exits(redis_url, tmp_path):
+    """Window: a real beat has claimed an instant's occurrence ahead and waits for the instant
+    (held there by the ``claimed-ahead`` fault point, a 20 s sleep) when it gets SIGTERM.
+
+    Beat's SIGTERM handler calls close(): the occurrence goes out (its instant has passed by
+    then), its row ends ``sent``, and the process exits 0. How it fails without the handling:
+    close() hands the row over unsent, nothing is published, and a node started later would
+    resend that instant however long after, whatever its catch-up policy."""
+    import signal as signals_
+
+    import procs
+    from test_faults_send_path import FAULT_LINE, arm, fault_env, next_boundary
+
+    arm_dir = tmp_path / "arm"
+    app = procs.write_app(tmp_path, broker=redis_url, db_url=f"sqlite:///{tmp_path}/claims.sqlite3",
+                          schedule="{'rare': {'task': 't.record', 'schedule': every(10)}}")
+    beat = procs.start_beat(app, tmp_path, "beat", env=fault_env(arm_dir, "claimed-ahead=sleep:20"))
+    try:
+        procs.wait_for_log(beat, "cluster-beat: node", 30)
+        while not 3 < next_boundary(10) - time.time() < 8:  # arm away from an instant
+            time.sleep(0.2)
+        arm(arm_dir, "claimed-ahead", beat)
+        instant = next_boundary(10)
+        procs.wait_for_log(beat, f"{FAULT_LINE} claimed-ahead: sleep:20", 30)
+        stopped_at = time.time()
+        assert not [m for m in app.sent_occurrences() if m[0] == "rare" and m[1] == iso(instant)], \
+            "published before the stop: the window was not hit"
+        beat.signal(signals_.SIGTERM)
+        procs.wait_for(lambda: not beat.alive(), 15, what="beat exiting on SIGTERM")
+        assert beat.popen.returncode == 0, beat.log()[-3000:]
+        assert time.time() - stopped_at < 15
+    finally:
+        beat.stop()
+    sent = [m for m in app.sent_occurrences() if m[0] == "rare" and m[1] == iso(instant)]
+    assert len(sent) == 1, (sent, beat.log()[-3000:])
+    store = ClaimStore(f"sqlite:///{tmp_path}/claims.sqlite3", node_id="reader")
+    store.open()
+    try:
+        [row] = [r for r in store.claims("rare") if r.scheduled_at.timestamp() == instant]
+    finally:
+        store.close()
+    assert row.status == "sent" and row.node == sent[0][2], row
+    import redis as redis_
+
+    client = redis_.Redis.from_url(redis_url)
+    client.delete(app.queue)
+    client.close()
+
+
+def iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat().replace("+00:00", "Z")

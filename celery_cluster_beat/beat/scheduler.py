@@ -154,8 +154,8 @@ class Scheduler(beat.Scheduler):
         #: How long before an instant its occurrences are claimed: CLAIM_AHEAD, or less with a short
         #: claim_grace, so that a claim made ahead needs no second confirmation before its publish.
         self._claim_ahead = min(CLAIM_AHEAD, timedelta(seconds=self.settings.claim_grace / 8))
-        #: (instant, claim) of occurrences claimed ahead and waiting for their instant (see _run_ahead).
-        self._ahead: Optional[Tuple[datetime, Optional[Tuple[list, float]]]] = None
+        #: tick() is running: a close() now comes from a signal handler interrupting it (see close()).
+        self._in_tick = False
         self._ops = None  # the HTTP server (/metrics, /healthz, status page) when cluster_beat_http_port is set
         super().__init__(app, schedule=None, max_interval=max_interval, Producer=Producer, lazy=True,
                          sync_every_tasks=sync_every_tasks, **kwargs)
@@ -411,12 +411,12 @@ class Scheduler(beat.Scheduler):
         again with the status. Built directly, the scheduler logs it and stays closed."""
         if self._host is None:
             logger.error("cluster-beat: configuration error, the scheduler stops: %s", exc)
-            self.close()
+            self._shutdown()
             return
         startup.report(exc, self._host, logger)
         if self._host != startup.THREAD:  # beat's thread must end quietly: the worker waits for it
             self._exit_status = startup.EXIT_STATUS
-        self.close()
+        self._shutdown()
         raise SystemExit(startup.EXIT_STATUS)
 
     def _log_schedule(self, fires: Dict[str, datetime]) -> None:
@@ -471,6 +471,7 @@ class Scheduler(beat.Scheduler):
         """One pass of beat's loop; returns how long to sleep (always > 0). Never raises."""
         if self._closed:
             return self.max_interval
+        self._in_tick = True
         try:
             wait = self._tick()
         except StaleTermError as exc:
@@ -479,6 +480,8 @@ class Scheduler(beat.Scheduler):
         except Exception:  # a bug or an unexpected library error must not end beat (Celery's beat swallows too)
             logger.exception("cluster-beat: unexpected error in the scheduling loop; continuing in 1 s")
             wait = 1.0
+        finally:
+            self._in_tick = False
         if self._ops is not None:
             self._ops.health.ticked(wait)  # /healthz: the loop ticked, and means to sleep this long
         return wait
@@ -654,20 +657,21 @@ class Scheduler(beat.Scheduler):
         todo = list(due)  # what a store failure puts back into the queue
 
         def send() -> None:
-            # Claimed and not yet out: a stop during the wait (beat's SIGTERM handler calls
-            # close(), then raises SystemExit) publishes them at the instant first, in close().
-            # Handed over unsent instead, a node started later would resend an instant that
-            # passed while none ran, whatever its catch-up policy.
-            self._ahead = (instant, self._pipeline.claim(ahead, instant))
+            won = self._pipeline.claim(ahead, instant)
+            # Claimed and not yet out: a stop during the wait (beat's SIGTERM handler raises
+            # SystemExit; close() waits for it, see close()) is held until they are out at
+            # their instant. Handed over unsent instead, a node started later would resend an
+            # instant that passed while none ran, whatever its catch-up policy.
             stop: Optional[BaseException] = None
-            try:
-                faults.hit("claimed-ahead")
-                self._wait_for(instant)
-            except (SystemExit, KeyboardInterrupt) as exc:
-                stop = exc
-            pending, self._ahead = self._ahead, None
-            if pending is not None and pending[1] is not None:
-                self._pipeline.send(*pending[1])
+            while True:
+                try:
+                    faults.hit("claimed-ahead")
+                    self._wait_for(instant)
+                    break
+                except (SystemExit, KeyboardInterrupt) as exc:
+                    stop = stop or exc  # never publish before the instant: finish the wait
+            if won is not None:
+                self._pipeline.send(*won)
             if stop is not None:
                 raise stop
             todo[:] = guarded  # the rest is the pipeline's now (sent, retried or left to the sweep)
@@ -1034,21 +1038,24 @@ class Scheduler(beat.Scheduler):
 
         After a configuration error found in tick() under Celery's beat, the call that ends
         beat's loop raises SystemExit with the exit status (once; see :mod:`.startup`)."""
+        if self._in_tick:
+            # Beat's SIGTERM/SIGINT handler calls close() and then raises SystemExit, wherever
+            # tick() happens to be: inside a claim store transaction, this node's own lock
+            # would block the close (SQLite: "database is locked"), and marks owed by the
+            # interrupted step would be lost. So close() waits: the SystemExit unwinds tick()
+            # (what it interrupted rolls back; what went out stays owed in the pipeline) and
+            # beat's loop calls close() again on its way out, outside tick().
+            logger.info("cluster-beat: stopping once the current step has unwound")
+            return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """close(), now: never from inside tick() (see close())."""
         if self._closed:
             if self._exit_status:
                 status, self._exit_status = self._exit_status, 0
                 raise SystemExit(status)
             return
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[1] is not None and self._pipeline is not None:
-            # Called inside the wait of _run_ahead (beat's stop signal handler): what was claimed
-            # ahead goes out at its instant, then everything closes as usual.
-            try:
-                self._wait_for(ahead[0])
-                self._pipeline.send(*ahead[1])
-            except Exception as exc:  # the store or broker failed: abandon() below hands it over
-                logger.warning("cluster-beat: could not publish the occurrences claimed ahead of %s while "
-                               "stopping: %r", ahead[0].isoformat(), exc)
         self._closed = True
         self._active = False
         if self._pipeline is not None:

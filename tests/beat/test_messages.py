@@ -33,6 +33,17 @@ def make_app(redis_url: str, queue: str, **conf) -> Celery:
     return app
 
 
+def registered(redis_url: str, queue: str, task: str, **conf) -> Celery:
+    """An app with one task registered under *task* that takes any positional arguments."""
+    app = make_app(redis_url, queue, **conf)
+
+    @app.task(name=task)
+    def report(*args):
+        return None
+
+    return app
+
+
 def drain(client: redis.Redis, queue: str) -> list:
     """Every message on *queue*, its priority lists included (kombu keeps one list per priority)."""
     raw = []
@@ -189,11 +200,7 @@ def test_relative_expires_is_computed_from_the_send_time_as_celery_does(redis_ur
 
 
 def test_a_jittered_eta_is_stamped_per_occurrence(redis_url, queue, client, TASK):
-    app = make_app(redis_url, queue)
-
-    @app.task(name=TASK)
-    def report(*args):
-        return None
+    app = registered(redis_url, queue, TASK)
 
     publisher = Publisher(app, "node-a")
     for minute in (0, 1):
@@ -215,11 +222,7 @@ def test_an_unregistered_task_is_sent_by_name_like_send_task(redis_url, queue, c
 
 
 def test_a_template_serves_every_later_occurrence_with_its_own_id_and_headers(redis_url, queue, client, TASK):
-    app = make_app(redis_url, queue)
-
-    @app.task(name=TASK)
-    def report(*args):
-        return None
+    app = registered(redis_url, queue, TASK)
 
     publisher = Publisher(app, "node-a")
     occs = [Occurrence(f"e{i}", AT + timedelta(minutes=m)) for i in range(3) for m in range(2)]
@@ -328,11 +331,7 @@ def test_apply_async_wrapped_globally_by_a_monitoring_library_keeps_its_per_call
         return original(self, args, kwargs, **options)
 
     monkeypatch.setattr(Task, "apply_async", traced)
-    app = make_app(redis_url, queue)
-
-    @app.task(name=TASK)
-    def report(*args):
-        return None
+    app = registered(redis_url, queue, TASK)
 
     publisher = Publisher(app, "node-a")
     occs = [Occurrence("nightly", AT + timedelta(minutes=m)) for m in range(3)]
@@ -344,11 +343,7 @@ def test_apply_async_wrapped_globally_by_a_monitoring_library_keeps_its_per_call
 
 def test_a_receiver_editing_one_messages_body_does_not_edit_the_next(redis_url, queue, client, TASK):
     """Celery builds a fresh body per call; so do we: an edit stays in its own message."""
-    app = make_app(redis_url, queue)
-
-    @app.task(name=TASK)
-    def report(*args):
-        return None
+    app = registered(redis_url, queue, TASK)
 
     def chain_first(sender=None, headers=None, body=None, **kw):
         if headers.get("cluster_beat_attempt") == 2:

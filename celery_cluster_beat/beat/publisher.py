@@ -19,7 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..schedules.instants import utc_iso
 from ..schedules.occurrence import Occurrence
-from .messages import Templates
+from .messages import TemplateBroken
+from .sendwatch import SendWatch
+from .templates import Templates
 from ..worker.protocol import (HEADER_ATTEMPT, HEADER_CATCHUP, HEADER_MAX_RUN_TIME, HEADER_NODE, HEADER_SCHEDULE,
                                HEADER_SCHEDULED_AT)
 
@@ -60,6 +62,8 @@ class Publisher:
         self.templates = Templates(app)
         #: Messages sent from a template / through Celery's per-message path (for metrics and tests).
         self.stamped = self.celery_path = 0
+        #: Whether sends go through at all (``/healthz`` fails while none does).
+        self.watch = SendWatch()
         self._backend = None
 
     def warm_up(self) -> None:
@@ -108,10 +112,15 @@ class Publisher:
         if template is not None:
             if self._backend is None:
                 self._backend = self.app.backend
-            template.send(self.app, producer, d.occurrence.task_id, d.eta, dynamic, declare=first,
-                          backend=self._backend)
-            self.stamped += 1
-            return
+            try:
+                template.send(self.app, producer, d.occurrence.task_id, d.eta, dynamic, declare=first,
+                              backend=self._backend)
+            except TemplateBroken as exc:  # nothing went out: Celery's own path sends it, now and from now on
+                self.templates.refuse(d.occurrence.schedule, template.source,
+                                      f"stamping its prebuilt message failed ({exc})", warn=True)
+            else:
+                self.stamped += 1
+                return
         self.celery_path += 1
         options = {k: v for k, v in options.items() if k != "headers"}
         if not first:
@@ -146,6 +155,7 @@ class Publisher:
         for i, ok in enumerate(sent):
             if not ok and errors[i] is None:
                 errors[i] = failure or RuntimeError("not sent")
+        self.watch.record(errors)
         return errors
 
     def _publish_chunk(self, dispatches, chunk: range, producer, errors, sent) -> None:

@@ -484,6 +484,8 @@ class Scheduler(beat.Scheduler):
             self._in_tick = False
         if self._ops is not None:
             self._ops.health.ticked(wait)  # /healthz: the loop ticked, and means to sleep this long
+            if self._pipeline is not None:
+                self._ops.health.problem = self._pipeline.publisher.watch.problem  # ...and sends go out
         return wait
 
     def _tick(self) -> float:

@@ -53,6 +53,8 @@ class LoopHealth:
         self._last = clock()  # start-up counts as a tick: the first real one comes within the margin
         self._sleep = 0.0
         self.ticks = 0
+        #: Set by beat when the loop ticks but cannot do its work (every send fails); None: fine.
+        self.problem: Optional[str] = None
 
     def ticked(self, sleep: float) -> None:
         self._sleep = max(0.0, float(sleep))
@@ -66,8 +68,12 @@ class LoopHealth:
     def check(self) -> Tuple[bool, str]:
         age, allowed = self.age(), self._sleep + self.margin
         ok = age <= allowed
-        return ok, (f"{'ok' if ok else 'stalled'}: last tick {age:.1f} s ago, "
-                    f"allowed {allowed:.1f} s (sleep {self._sleep:.1f} s + margin {self.margin:.1f} s)")
+        text = (f"{'ok' if ok else 'stalled'}: last tick {age:.1f} s ago, "
+                f"allowed {allowed:.1f} s (sleep {self._sleep:.1f} s + margin {self.margin:.1f} s)")
+        problem = self.problem
+        if problem is not None:
+            return False, f"failing: {problem}; {text}"
+        return ok, text
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -18,25 +18,35 @@ limits and the enum base), which every concern may import.
 """
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, List
 
 from .errors import ConfigError, ScheduleError
-from .schedules import as_schedule, cron, every
+
+if TYPE_CHECKING:
+    from .beat.scheduler import Scheduler
+    from .schedules import as_schedule, cron, every
+    from .worker import LedgerTask, current_occurrence
 
 __all__ = ["cron", "every", "as_schedule", "ScheduleError", "ConfigError", "Scheduler", "LedgerTask",
            "current_occurrence"]
 __version__ = "0.1.0"
 
+#: Attributes imported on first use (PEP 562), and where each lives. Celery imports this
+#: package for every ``celery`` command (the ``cluster-beat`` plugin loads at start), so
+#: importing it costs nothing: ``cron`` / ``every`` bring ``celery.schedules``, the scheduler
+#: and the worker side bring SQLAlchemy, and each only when asked for.
+_LAZY = {"cron": ".schedules", "every": ".schedules", "as_schedule": ".schedules",
+         "Scheduler": ".beat.scheduler", "LedgerTask": ".worker", "current_occurrence": ".worker"}
+
 
 def __getattr__(name: str) -> Any:
-    # The scheduler pulls in celery.beat and SQLAlchemy; schedules alone should not.
-    if name == "Scheduler":
-        from .beat.scheduler import Scheduler
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
 
-        return Scheduler
-    if name in ("LedgerTask", "current_occurrence"):
-        # The worker side pulls in SQLAlchemy too; only when asked for.
-        from . import worker
 
-        return getattr(worker, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,10 +17,11 @@ ALLOWED = {
     "store": {"schedules"},
     "leader": set(),
     "config": {"leader", "schedules"},
-    "beat": {"config", "store", "leader", "schedules", "worker", "dynamic", "ops"},
+    "messages": set(),
+    "beat": {"config", "store", "leader", "schedules", "worker", "dynamic", "ops", "messages"},
     "worker": {"store", "config", "schedules"},
     "dynamic": {"store", "config", "leader", "schedules"},
-    "ops": {"store", "config", "leader", "dynamic", "schedules"},
+    "ops": {"store", "config", "leader", "dynamic", "schedules", "messages", "worker"},
 }
 SHARED = {"errors", "signals", "base", "faults"}
 

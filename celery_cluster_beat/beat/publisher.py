@@ -1,7 +1,7 @@
 """Sending claimed occurrences with Celery's message format, signals and routing.
 
 Each entry's message is built once by Celery's own ``send_task`` and then
-stamped per occurrence (:mod:`.messages`): the wire format, the routing and the
+stamped per occurrence (:mod:`..messages`): the wire format, the routing and the
 ``before_task_publish`` / ``after_task_publish`` signals are exactly those of a
 normal send, without repeating Celery's per-call work thousands of times a
 burst. What cannot be replayed exactly goes through ``apply_async`` /
@@ -17,13 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..schedules.instants import utc_iso
+from ..messages import TemplateBroken, Templates
 from ..schedules.occurrence import Occurrence
-from .messages import TemplateBroken
 from .sendwatch import SendWatch
-from .templates import Templates
-from ..worker.protocol import (HEADER_ATTEMPT, HEADER_CATCHUP, HEADER_MAX_RUN_TIME, HEADER_NODE, HEADER_SCHEDULE,
-                               HEADER_SCHEDULED_AT)
+from ..worker.protocol import beat_headers
 
 logger = logging.getLogger("celery_cluster_beat.publisher")
 
@@ -77,16 +74,8 @@ class Publisher:
     def _headers(self, d: Dispatch) -> tuple:
         """The headers the message carries (the entry's own, then ours) and ours alone."""
         headers = dict(d.options.get("headers") or {})
-        dynamic = {
-            HEADER_SCHEDULE: d.occurrence.schedule,
-            HEADER_SCHEDULED_AT: utc_iso(d.occurrence.at),
-            HEADER_NODE: self.node_id,
-            HEADER_CATCHUP: d.catchup,
-            HEADER_ATTEMPT: d.attempt,
-            "celery_beat_task": True,
-        }
-        if d.max_run_time is not None:
-            dynamic[HEADER_MAX_RUN_TIME] = d.max_run_time
+        dynamic = beat_headers(d.occurrence.schedule, d.occurrence.at, self.node_id, catchup=d.catchup,
+                               attempt=d.attempt, max_run_time=d.max_run_time)
         headers.update(dynamic)
         return headers, dynamic
 

@@ -13,18 +13,43 @@ from __future__ import annotations
 
 import functools
 import getpass
+import importlib
 import json
 import re
 import socket
 from datetime import datetime, timedelta
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
-from ..errors import ConfigError
-from ..leader.urls import mask_url
-from . import report
+from ..errors import ConfigError  # cheap: the schedules package loads its Celery side on first use
+from ..leader.urls import mask_url  # cheap: the leader package loads redis-py on first use
+
+
+class _ImportOnUse:
+    """Stands for a module and imports it when one of its attributes is first read.
+
+    Celery imports every ``celery.commands`` plugin whenever any ``celery`` command starts
+    (each worker, beat, ``inspect``), so this module declares its commands with click alone;
+    the report, and with it SQLAlchemy, the store and the stored-schedule API, loads in the
+    command that reads it. ``tests/ops/test_plugin_import.py`` holds that bound: import
+    anything heavy here at module level and it fails."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+    def __repr__(self) -> str:
+        return f"<{self._name}, imported on first use>"
+
+
+if TYPE_CHECKING:
+    from . import report
+else:
+    report = _ImportOnUse(f"{__package__}.report")
 
 #: Seconds the broker check waits for a connection.
 BROKER_TIMEOUT = 5.0
@@ -305,6 +330,10 @@ def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
     def problems(what: str, exc: BaseException) -> None:
         out.extend((what, False, line) for line in _problems(exc))
 
+    from ..messages import support
+
+    outside = support.outside_tested_range()
+    out.extend([("versions", False, line) for line in outside] or [("versions", True, support.describe())])
     settings = None
     try:
         settings = report.load_settings_of(app)
@@ -312,6 +341,7 @@ def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
     except Exception as exc:
         problems("settings", exc)
     entries = None
+    stored: list = []  # stored schedules whose messages are built too (read with the claim store)
     try:
         entries = report.config_entries(app)
         if settings is not None:
@@ -335,6 +365,7 @@ def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
                                            "share a name" for r in clash])
                 version = store.overview(grace=settings.claim_grace, unsent_limit=1).schema_version
                 out.append(("claim store", True, f"{mask_url(settings.db_url)} (schema {version})"))
+                stored = store.stored_list(limit=MAX_STORED_CHECKED + 1)
             finally:
                 store.close()
         except Exception as exc:
@@ -351,6 +382,8 @@ def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
                 problems("redis", exc)
         else:
             out.append(("redis", True, "no lease configured (replicas race on claims)"))
+    if entries is not None and settings is not None:
+        out.extend(_message_checks(app, settings, entries, stored))
     try:
         conn = app.connection_for_write()
         try:
@@ -361,6 +394,51 @@ def run_checks(app: Any) -> List[Tuple[str, bool, str]]:
             conn.release()
     except Exception as exc:
         problems("broker", exc)
+    return out
+
+
+#: ``check`` builds the messages of at most this many stored schedules (the rest are said to be unchecked).
+MAX_STORED_CHECKED = 1000
+
+
+def _message_checks(app: Any, settings: Any, entries: dict, stored: list) -> List[Tuple[str, bool, str]]:
+    """Build (never publish) each entry's message: one problem line per entry that cannot be
+    sent at all; one line saying how many take the fast path and why the others do not."""
+    from datetime import timezone
+
+    from ..dynamic.convert import entry_from_row
+    from ..messages import Templates
+    from ..messages.dryrun import SendPath, dry_run
+    from ..worker.protocol import beat_headers
+
+    out: List[Tuple[str, bool, str]] = []
+    todo = list(entries.values())
+    unchecked = max(0, len(stored) - MAX_STORED_CHECKED)
+    for row in stored[:MAX_STORED_CHECKED]:
+        try:
+            todo.append(entry_from_row(row, app))
+        except Exception as exc:
+            out.append(("messages", False, f"stored schedule {row.name!r}: cannot be read: {exc}"[:600]))
+    templates = Templates(app)
+    at = datetime.now(timezone.utc).replace(microsecond=0)
+    paths = {path: 0 for path in SendPath}
+    why: dict = {}
+    for entry in todo:
+        headers = dict(entry.options.get("headers") or {})
+        headers.update(beat_headers(entry.name, at, settings.node_id))
+        result = dry_run(app, templates, entry.name, entry.task, entry.args, entry.kwargs, entry.options, headers)
+        paths[result.path] += 1
+        if result.path is SendPath.UNSENDABLE:
+            out.append(("messages", False, f"entry {entry.name!r} (task {entry.task}) cannot be sent: {result.detail}"))
+        elif result.path is SendPath.CELERY:
+            why.setdefault(result.detail, entry.name)
+    summary = (f"{paths[SendPath.TEMPLATE]} entr{'y' if paths[SendPath.TEMPLATE] == 1 else 'ies'} prebuilt, "
+               f"{paths[SendPath.CELERY]} through Celery's own path")
+    if why:
+        summary += " (" + "; ".join(f"{name} and others like it: {reason}" for reason, name in why.items()) + ")"
+    if unchecked:
+        summary += f"; {unchecked} stored schedule(s) beyond the first {MAX_STORED_CHECKED} not built"
+    out.append(("messages", True, summary))
     return out
 
 

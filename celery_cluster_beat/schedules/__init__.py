@@ -11,8 +11,33 @@ May import: the standard library and Celery (in :mod:`.celery_types` only).
 Nothing from the rest of the package: every other concern builds on this one.
 No I/O.
 """
-from .celery_types import ClusterSchedule, as_schedule, cron, every
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, List
+
 from .errors import ScheduleError
-from .occurrence import Occurrence, occurrence_task_id
+
+if TYPE_CHECKING:
+    from .celery_types import ClusterSchedule, as_schedule, cron, every
+    from .occurrence import Occurrence, occurrence_task_id
 
 __all__ = ["cron", "every", "as_schedule", "ClusterSchedule", "ScheduleError", "Occurrence", "occurrence_task_id"]
+
+#: Attributes imported on first use (PEP 562), and the submodule each comes from. Every
+#: ``celery`` command imports this package (``errors`` builds on ``.errors`` here, and the
+#: ``cluster-beat`` plugin loads at start); ``celery.schedules`` should load only for a schedule.
+_LAZY = {"cron": ".celery_types", "every": ".celery_types", "as_schedule": ".celery_types",
+         "ClusterSchedule": ".celery_types", "Occurrence": ".occurrence", "occurrence_task_id": ".occurrence"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-from ..schedules.instants import UTC
+from ..schedules.instants import UTC, utc_iso
 
 #: The schedule entry's name.
 HEADER_SCHEDULE = "cluster_beat_schedule"
@@ -26,6 +26,23 @@ HEADER_ATTEMPT = "cluster_beat_attempt"
 HEADER_MAX_RUN_TIME = "cluster_beat_max_run_time"
 
 HEADERS = (HEADER_SCHEDULE, HEADER_SCHEDULED_AT, HEADER_NODE, HEADER_CATCHUP, HEADER_ATTEMPT, HEADER_MAX_RUN_TIME)
+
+
+def beat_headers(schedule: str, at: datetime, node: str, *, catchup: bool = False, attempt: int = 1,
+                 max_run_time: Optional[float] = None) -> Dict[str, Any]:
+    """The headers beat adds to an occurrence's message, in the order it writes them (Celery's
+    own ``celery_beat_task`` marker included: tools that tell beat's messages apart read it)."""
+    headers: Dict[str, Any] = {
+        HEADER_SCHEDULE: schedule,
+        HEADER_SCHEDULED_AT: utc_iso(at),
+        HEADER_NODE: node,
+        HEADER_CATCHUP: catchup,
+        HEADER_ATTEMPT: attempt,
+        "celery_beat_task": True,
+    }
+    if max_run_time is not None:
+        headers[HEADER_MAX_RUN_TIME] = max_run_time
+    return headers
 
 
 class ProtocolError(ValueError):

@@ -360,7 +360,7 @@ def test_check_gives_one_line_per_problem_and_exit_1(tmp_path, redis_url):
     assert [p.split()[1] for p in problems] == ["beat_schedule:", "claim", "redis:"], problems
     assert "'bad': schedule: cron '61 * * * *': minute value 61 is out of range 0-59" in problems[0]
     assert "s3cret" not in r.stderr and "pw@" not in r.stderr
-    assert [line.split()[1] for line in r.stdout.splitlines()] == ["settings:", "broker:"], r.stdout
+    assert [line.split()[1] for line in r.stdout.splitlines()] == ["versions:", "settings:", "broker:"], r.stdout
     j = cli(app, "check", "--json")
     assert j.returncode == 1
     doc = json.loads(j.stdout)

@@ -1,4 +1,4 @@
-"""The fast path proves itself and never stops the sending (celery_cluster_beat.beat.selfcheck,
+"""The fast path proves itself and never stops the sending (celery_cluster_beat.messages.selfcheck,
 .celerysend, .templates): a Celery whose messages the templates do not reproduce, or whose
 privates are not where the fast path reads them, gets its messages through its own path, with
 one log line, on a real Redis broker."""
@@ -12,8 +12,8 @@ from datetime import timedelta
 import pytest
 from celery.app import amqp as celery_amqp
 
-from celery_cluster_beat.beat import celerysend
-from celery_cluster_beat.beat.messages import Template
+from celery_cluster_beat.messages import celerysend
+from celery_cluster_beat.messages import Template
 from celery_cluster_beat.beat.publisher import Dispatch, Publisher
 from celery_cluster_beat.schedules.occurrence import Occurrence
 

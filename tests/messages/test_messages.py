@@ -1,4 +1,4 @@
-"""Prebuilt task messages (celery_cluster_beat.beat.messages): what beat puts on the broker is
+"""Prebuilt task messages (celery_cluster_beat.messages): what beat puts on the broker is
 byte for byte what Celery's own ``apply_async`` / ``send_task`` puts there for the same call, and
 ``before_task_publish`` / ``after_task_publish`` fire with the same arguments.
 
@@ -88,9 +88,10 @@ def recorder():
 
 
 def both_ways(app: Celery, client, queue: str, dispatch: Dispatch, recorder=None, *, template: bool = True,
-              publisher: Publisher = None):
+              publisher: Publisher = None, drain=drain):
     """Send *dispatch* through the publisher, then the same call through Celery; return both
-    raw envelopes (and both signal records)."""
+    raw envelopes (and both signal records). *drain(client, queue)* reads them off the broker
+    (Redis lists here; test_messages_amqp.py passes its RabbitMQ reader)."""
     # Pristine copies for Celery's reference send: a receiver that edits the body edits the
     # objects it is given, ours included.
     args, kwargs = copy.deepcopy(dispatch.args), copy.deepcopy(dispatch.kwargs)

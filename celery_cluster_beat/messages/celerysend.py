@@ -34,20 +34,12 @@ from celery import signals
 from celery.app.base import Celery
 from celery.utils.dispatch import Signal
 
+from .support import minor
+
 logger = logging.getLogger("celery_cluster_beat.publisher")
 
 #: The task id a capture is made with; found only where Celery puts the id, or the entry is not replayable.
 PLACEHOLDER = "cluster-beat-template-00000000-0000-0000-0000-000000000000"
-
-
-def _version(text: str) -> Tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 #: The privates the fast path reads: (module, attribute, first Celery version that has it).
@@ -79,7 +71,7 @@ def _private(key: str) -> Tuple[bool, Any]:
     return value is not missing, (None if value is missing else value)
 
 
-_CELERY = _version(CELERY_VERSION)
+_CELERY = minor(CELERY_VERSION)
 
 
 def blocker() -> Optional[str]:

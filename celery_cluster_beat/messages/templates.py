@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 from celery.app.base import Celery
 
 from . import celerysend, selfcheck
-from .messages import Template, build, why_not
+from .template import Template, build, why_not
 
 logger = logging.getLogger("celery_cluster_beat.publisher")
 
@@ -40,6 +40,8 @@ class Templates:
         #: Shapes checked in this process: None when they passed, else the field that differed.
         self.shapes: Dict[Tuple[Any, ...], Optional[str]] = {}
         self._told: set = set()
+        #: Why each refused entry takes Celery's path (for ``check``; bounded with the refusals).
+        self.reasons: Dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -68,6 +70,7 @@ class Templates:
                     self.refuse(name, source, reason)
                 return None
             self._refused.pop(name, None)
+            self.reasons.pop(name, None)
             if len(self._by_name) >= MAX_TEMPLATES:
                 self._by_name.pop(next(iter(self._by_name)))
             self._by_name[name] = tpl
@@ -79,8 +82,11 @@ class Templates:
         """Send *name* through Celery's own path until its entry changes."""
         self._by_name.pop(name, None)
         if len(self._refused) >= MAX_TEMPLATES:
-            self._refused.pop(next(iter(self._refused)))
+            oldest = next(iter(self._refused))
+            del self._refused[oldest]
+            self.reasons.pop(oldest, None)
         self._refused[name] = source
+        self.reasons[name] = reason
         self._tell(name, reason, warn=warn)
 
     def _tell(self, name: str, reason: str, *, warn: bool = False) -> None:

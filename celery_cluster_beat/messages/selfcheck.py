@@ -29,7 +29,7 @@ from kombu.serialization import dumps
 
 from .celerysend import Recording, RecordingDispatcher, RecordingProducer, capture_send, record_send
 from .celerysend import recording_signals
-from .messages import Template
+from .template import Template
 
 #: Two expiry stamps this close are the same (each side reads the clock once).
 EXPIRES_SLACK = timedelta(seconds=5)

@@ -156,7 +156,8 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
     if redis_url is None:
         redis_url = default_redis_url(conf)
     elif not isinstance(redis_url, str):
-        problems.append(f"setting cluster_beat_redis_url: expected a redis:// URL or '', got {type(redis_url).__name__}")
+        problems.append(f"setting cluster_beat_redis_url: expected a Redis URL (redis://, rediss://, unix://, "
+                        f"sentinel://, redis+cluster:// for a Redis Cluster) or '', got {type(redis_url).__name__}")
         redis_url = None
     redis = None
     if redis_url:

@@ -3,14 +3,40 @@
 Owns the Redis lease with its fencing term (:mod:`.lease`), the notice that
 stored schedules changed (:mod:`.notices`), the redis-py
 client factory for every URL form a Celery user has: plain, TLS, Unix socket,
-Sentinel (:mod:`.redisconn`), and masking of passwords in URLs before anything
-is logged (:mod:`.urls`).
+Sentinel (:mod:`.redisconn`), and a Redis Cluster (``redis+cluster://``: the lazy,
+bounded cluster client in :mod:`.clusterconn`), how notices travel (pub/sub, or
+sharded pub/sub on a cluster: :mod:`.channels`), and masking of passwords in URLs
+before anything is logged (:mod:`.urls`).
 
 May import: redis-py, :mod:`celery_cluster_beat.errors`. Nothing from store,
 config or beat: the fencing term crosses into the store as a plain integer.
 """
-from .lease import LeaseEvent, RedisLease, lease_keys
-from .redisconn import redis_client_from_url
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, List
+
 from .urls import mask_url
 
+if TYPE_CHECKING:
+    from .lease import LeaseEvent, RedisLease, lease_keys
+    from .redisconn import redis_client_from_url
+
 __all__ = ["LeaseEvent", "RedisLease", "lease_keys", "redis_client_from_url", "mask_url"]
+
+#: Attributes imported on first use (PEP 562): redis-py loads only for a lease or a client,
+#: not for :func:`mask_url`, which the ``cluster-beat`` plugin needs at every ``celery`` start.
+_LAZY = {"LeaseEvent": ".lease", "RedisLease": ".lease", "lease_keys": ".lease",
+         "redis_client_from_url": ".redisconn"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -29,6 +29,16 @@ Keys (one Redis Cluster slot thanks to the ``{name}`` hash tag)::
     cluster_beat:{<name>}:cluster    the cluster id of the claim store the lease serves;
                                      refreshed by every acquisition, expires 30 days after the last
 
+On a Redis Cluster (``redis+cluster://``) the scripts run unchanged on the master
+that serves that slot; the release notice is then a sharded ``SPUBLISH`` from the
+release script, heard with ``SSUBSCRIBE`` on that master (:mod:`.channels`). A
+failover of that master loses the lease at worst for one ttl: the holder cannot renew
+while no master serves the slot, stops at ``valid_until``, and whoever acquires next
+(the same node or another) takes a higher term. A replica promoted before it received
+the last ``INCR`` may hand out a term again, as a Redis restarted without data does:
+the claim store's fence refuses an equal term from another node, and the node then
+steps down and acquires above the term it was shown (``step_down(observed_term=...)``).
+
 A lease is named after the cluster (``cluster_beat_cluster_name``), never after
 a URL: a key must not publish anything derived from a password. Two claim
 databases behind one lease would keep two histories, so the acquire script
@@ -51,9 +61,11 @@ from enum import Enum
 from typing import Any, Callable, Optional
 
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from ..errors import ConfigError
+from .channels import NoticeTransport, Subscription, SubscriptionLost
+from .clusterconn import is_cluster
 from .urls import mask_url
 
 __all__ = ["LeaseEvent", "RedisLease", "lease_keys", "cluster_key", "ForeignClusterError"]
@@ -61,8 +73,9 @@ __all__ = ["LeaseEvent", "RedisLease", "lease_keys", "cluster_key", "ForeignClus
 logger = logging.getLogger("celery_cluster_beat.lease")
 
 #: Errors that mean "Redis did not do what we asked" (unreachable, timed out,
-#: loading, read-only replica, script error...). Anything else is a bug and raises.
-_REDIS_ERRORS = (RedisError, OSError)
+#: loading, read-only replica, script error, no Redis Cluster node reachable...).
+#: Anything else is a bug and raises.
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
 
 #: Longest pause between attempts while Redis is down (seconds).
 MAX_BACKOFF = 2.0
@@ -177,6 +190,22 @@ end
 return 0
 """
 
+# The same on a Redis Cluster: a sharded notice on the slot of the keys (the channel has their
+# hash tag). pcall: a server without SPUBLISH (before Redis 7) still deletes the key, and its
+# standbys look at the key instead of listening (channels.NoticeTransport.POLL).
+_RELEASE_SHARDED = _OURS + """
+local current = redis.call('get', KEYS[1])
+if ours(current) then
+    redis.call('del', KEYS[1])
+    redis.pcall('spublish', ARGV[2], ARGV[3])
+    return 1
+end
+return 0
+"""
+
+#: Seconds between looks at the lease key of a standby that cannot hear release notices.
+POLL_INTERVAL = 0.2
+
 
 def _text(value: Any) -> str:
     if isinstance(value, bytes):
@@ -280,7 +309,7 @@ class RedisLease:
         self._lock = threading.RLock()
         self._client: Optional[redis.Redis] = None
         self._scripts: Optional[tuple] = None
-        self._pubsub = None
+        self._pubsub: Optional[Subscription] = None
         self._closed = False
         self._holding: Optional[_Holding] = None
         # Token of an acquire attempt whose reply we never got: the key may be ours.
@@ -343,7 +372,7 @@ class RedisLease:
             self._scripts = (
                 client.register_script(_ACQUIRE),
                 client.register_script(_RENEW),
-                client.register_script(_RELEASE),
+                client.register_script(_RELEASE_SHARDED if is_cluster(client) else _RELEASE),
             )
         return self._scripts
 
@@ -639,29 +668,25 @@ class RedisLease:
     # ----------------------------------------------------------------- standby
 
     def _drop_pubsub(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            try:
-                pubsub.close()
-            except Exception:
-                pass
+        subscription, self._pubsub = self._pubsub, None
+        if subscription is not None:
+            subscription.close()
 
     def _subscribe(self, deadline: float) -> bool:
         """Subscribe to the release channel; True if the lease turned out to be free."""
         client = self._get_client()
-        pubsub = client.pubsub()
-        self._pubsub = pubsub
-        pubsub.subscribe(self.channel)
+        subscription = Subscription(client, self.channel)
+        self._pubsub = subscription
         # Wait for the confirmation so that a release from now on is seen...
-        confirm_by = max(deadline, self._clock() + 1.0)
-        while True:
-            message = pubsub.get_message(timeout=max(0.0, confirm_by - self._clock()))
-            if message is not None and message.get("type") == "subscribe":
-                break
-            if self._clock() >= confirm_by:
-                raise redis.TimeoutError("no SUBSCRIBE confirmation")
+        if subscription.open(max(deadline - self._clock(), 1.0)) is NoticeTransport.POLL:
+            logger.info("lease %r: this Redis Cluster has no sharded pub/sub (Redis 7+); standbys look at the "
+                        "lease key every %.1f s instead of hearing a release", self.name, POLL_INTERVAL)
         # ...and a release before it is not missed: is the lease free right now?
-        pttl = int(client.pttl(self.lease_key))
+        return self._look()
+
+    def _look(self) -> bool:
+        """Read the lease key's time to live; True when nobody holds the lease."""
+        pttl = int(self._get_client().pttl(self.lease_key))
         self._note_up()
         if pttl == -2:
             return True
@@ -692,15 +717,22 @@ class RedisLease:
             capped = expires_at is not None and expires_at < deadline
             if capped:
                 deadline = max(start, expires_at)
-            pubsub = self._pubsub
-            while pubsub is not None:
+            subscription = self._pubsub
+            while subscription is not None:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     if capped:
                         self._holder_expires_at = None  # used up; try_acquire learns the next one
                     return False
-                message = pubsub.get_message(ignore_subscribe_messages=True, timeout=remaining)
-                if message is not None and message.get("type") == "message":
+                if subscription.transport is NoticeTransport.POLL:
+                    time.sleep(min(remaining, POLL_INTERVAL))
+                    if self._closed:
+                        return False
+                    if self._look():
+                        self._holder_expires_at = None
+                        return True
+                    continue
+                if subscription.wait(remaining):
                     self._holder_expires_at = None
                     return True
             return False
@@ -715,6 +747,11 @@ class RedisLease:
             with self._lock:
                 self._drop_pubsub()
                 if self._closed:
+                    return False
+                if isinstance(exc, SubscriptionLost):
+                    # A Redis Cluster moved the channel's slot (a failover): not an outage. The
+                    # next call subscribes on the slot's new master and looks at the key first.
+                    logger.info("lease %r: %s; subscribing again", self.name, exc)
                     return False
                 if isinstance(exc, _REDIS_ERRORS) or isinstance(exc, (ValueError, AttributeError)):
                     # ValueError/AttributeError: redis-py's pub/sub on a socket closed under it.

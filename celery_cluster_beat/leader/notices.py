@@ -4,13 +4,21 @@ Only a hint that makes a change visible at once: the version counter in the
 claim database is the truth, and a leader that hears nothing (Redis down, a
 notice lost while it reconnected) still reads the counter on its own, less
 often. So nothing here raises; trouble only makes :attr:`ChangeNotices.down` true.
+On a Redis Cluster the notice is sharded pub/sub on the slot of the lease keys
+(:mod:`.channels`); a cluster without it (before Redis 7) leaves ``down`` true for good.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+from .channels import NoticeTransport, Subscription, publish
 
 logger = logging.getLogger("celery_cluster_beat.notices")
+
+
+#: Longest wait (seconds) for a subscription's confirmation, in the leader's loop.
+SUBSCRIBE_TIMEOUT = 1.0
 
 
 def notices_channel(name: str) -> str:
@@ -24,7 +32,7 @@ class ChangeNotices:
     def __init__(self, client_factory: Callable[[], Any], name: str) -> None:
         self._factory = client_factory
         self._client: Any = None
-        self._pubsub: Any = None
+        self._pubsub: Optional[Subscription] = None
         self.channel = notices_channel(name)
         #: True after a Redis error, until a subscription works again: read the counter yourself.
         self.down = False
@@ -37,7 +45,7 @@ class ChangeNotices:
     def publish(self, version: int) -> None:
         """Tell the leader that the counter reached *version* (never raises)."""
         try:
-            self._get_client().publish(self.channel, str(int(version)))
+            publish(self._get_client(), self.channel, str(int(version)))
         except Exception as exc:  # the leader reads the counter on its own as well
             logger.debug("cluster-beat: schedule change notice not published: %r", exc)
 
@@ -50,16 +58,15 @@ class ChangeNotices:
         try:
             fresh = False
             if self._pubsub is None:
-                self._pubsub = self._get_client().pubsub(ignore_subscribe_messages=True)
-                self._pubsub.subscribe(self.channel)
+                self._pubsub = Subscription(self._get_client(), self.channel)
+                if self._pubsub.open(SUBSCRIBE_TIMEOUT) is NoticeTransport.POLL:
+                    logger.info("cluster-beat: this Redis Cluster has no sharded pub/sub (Redis 7+): reading the "
+                                "change counter every second instead of hearing schedule change notices")
                 fresh = True
-            got = False
-            while True:
-                message = self._pubsub.get_message(timeout=0.0)
-                if message is None:
-                    break
-                if message.get("type") == "message":
-                    got = True
+            if self._pubsub.transport is NoticeTransport.POLL:
+                self.down = True  # for good: the leader reads the counter every second
+                return fresh
+            got = self._pubsub.drain()
             if self.down:
                 logger.info("cluster-beat: schedule change notices are heard again")
             self.down = False
@@ -73,12 +80,9 @@ class ChangeNotices:
             return False
 
     def _drop(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            try:
-                pubsub.close()
-            except Exception:  # pragma: no cover - closing a broken connection
-                pass
+        subscription, self._pubsub = self._pubsub, None
+        if subscription is not None:
+            subscription.close()
 
     def close(self) -> None:
         self._drop()

@@ -10,6 +10,9 @@ user already has in their configuration:
 * kombu's Sentinel form ``sentinel://[[user]:password@]host:port[/db][;sentinel://host2:port2...]``
   with the master name from the ``master_name`` transport option (or a
   ``master_name`` query parameter).
+* a Redis Cluster: ``redis+cluster://[[user]:password@]host[:port][;redis+cluster://host2:port2...]``
+  (``rediss+cluster://`` for TLS); the client is :class:`~.clusterconn.ClusterClient`,
+  which connects on first use (:mod:`.clusterconn` says what differs).
 
 Whatever the form, the client never blocks for long: ``socket_timeout`` and
 ``socket_connect_timeout`` are always set (our value wins over the URL's and the
@@ -42,6 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
+from .clusterconn import CLUSTER_DEFAULT_PORT, CLUSTER_NODE_KEYS, CLUSTER_SCHEMES, ClusterClient
 from .urls import mask_url
 
 __all__ = ["redis_client_from_url", "DEFAULT_HEALTH_CHECK_INTERVAL", "SENTINEL_DEFAULT_PORT"]
@@ -171,8 +175,9 @@ def redis_client_from_url(
     transport_options: Mapping[str, Any] | None = None,
     socket_timeout: float = 2.0,
     ssl: bool | Mapping[str, Any] | None = None,
-) -> redis.Redis:
-    """Return a ``redis.Redis`` for *url* (see the module docstring for the forms).
+) -> redis.Redis | ClusterClient:
+    """Return a ``redis.Redis`` for *url* (see the module docstring for the forms), or for a
+    ``redis+cluster://`` URL a :class:`~.clusterconn.ClusterClient`.
 
     :param transport_options: kombu-style transport options. Used here:
         ``master_name``, ``min_other_sentinels``, ``sentinel_kwargs`` (connection
@@ -206,10 +211,13 @@ def redis_client_from_url(
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme == "sentinel":
         return _sentinel_client(url, options, socket_timeout, tls, want_tls)
+    if scheme in CLUSTER_SCHEMES:
+        return _cluster_client(url, options, socket_timeout, tls, want_tls)
     if scheme not in ("redis", "rediss", "unix"):
         raise ValueError(
-            f"unsupported Redis URL {where}: use redis://, rediss://, unix:// or "
-            "sentinel://host:port[;sentinel://...] with a master_name"
+            f"unsupported Redis URL {where}: use redis://, rediss://, unix://, "
+            "sentinel://host:port[;sentinel://...] with a master_name, or "
+            "redis+cluster://host:port (rediss+cluster:// with TLS) for a Redis Cluster"
         )
 
     try:
@@ -340,3 +348,66 @@ def _sentinel_client(url: str, options: dict, socket_timeout: float, tls: dict, 
     client = sentinel.master_for(str(master_name), redis_class=SentinelMasterRedis, **master_kwargs)
     client._ccb_sentinel = sentinel
     return client
+
+
+def _cluster_client(url: str, options: dict, socket_timeout: float, tls: dict, want_tls: bool) -> ClusterClient:
+    """A Redis Cluster's lazy client: seed nodes, credentials and options of every ``;``-part."""
+    where = mask_url(url)
+    nodes: list[tuple[str, int]] = []
+    query: dict = {}
+    scheme_tls = None
+    for part in (p.strip() for p in url.split(";")):
+        if not part:
+            continue
+        scheme, _, rest = part.partition("://")
+        if scheme.lower() not in CLUSTER_SCHEMES:
+            raise ValueError(f"invalid Redis Cluster URL {where}: every ';'-separated part must be "
+                             "redis+cluster://host:port (rediss+cluster:// with TLS)")
+        if scheme_tls is not None and CLUSTER_SCHEMES[scheme.lower()] != scheme_tls:
+            raise ValueError(f"invalid Redis Cluster URL {where}: mixes redis+cluster:// and rediss+cluster://")
+        scheme_tls = CLUSTER_SCHEMES[scheme.lower()]
+        plain = ("rediss://" if scheme_tls else "redis://") + rest
+        try:
+            kwargs = parse_url(plain)
+            port = urlsplit(plain).port
+        except ValueError as exc:
+            raise _parse_error(url, exc) from None
+        if kwargs.pop("db", 0) != 0:
+            raise ValueError(f"invalid Redis Cluster URL {where}: Redis Cluster has database 0 only")
+        host = kwargs.pop("host", None)
+        kwargs.pop("port", None)
+        kwargs.pop("connection_class", None)
+        if not host:
+            raise ValueError(f"invalid Redis Cluster URL {where}: a part has no host")
+        nodes.append((host, port or CLUSTER_DEFAULT_PORT))
+        for key, value in kwargs.items():
+            query.setdefault(key, value)
+    if not nodes:
+        raise ValueError(f"invalid Redis Cluster URL {where}: no node address")
+    # The lease's own time-outs and retry policy win over the URL's.
+    for key in ("socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error"):
+        query.pop(key, None)
+    unknown = sorted(k for k in query if k not in CLUSTER_NODE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: query parameter(s) a Redis Cluster client cannot use: "
+                         f"{', '.join(unknown)}")
+    url_tls = {k: query.pop(k) for k in list(query) if k in _SSL_KEYS}
+    if url_tls and not scheme_tls:
+        raise ValueError(f"{where}: TLS parameters ({', '.join(sorted(url_tls))}) in the query string need "
+                         "a rediss+cluster:// URL")
+    tls.update(url_tls)
+    common = _common_kwargs(socket_timeout, options)
+    # Each node's connections: our time-outs. The cluster client retries (once), not the nodes; redis-py
+    # has no per-node health checks (a stale connection fails, the topology is read again, one retry).
+    for key in ("retry", "health_check_interval"):
+        common.pop(key)
+    query.update(common)
+    query["socket_keepalive"] = to_bool(options.get("socket_keepalive", True))
+    if scheme_tls or want_tls:
+        tls = _normalise_ssl(tls, where)
+        unsupported = sorted(k for k in tls if k not in CLUSTER_NODE_KEYS)
+        if unsupported:
+            raise ValueError(f"{where}: TLS option(s) {', '.join(unsupported)} are not supported for a Redis Cluster")
+        query["ssl"] = True
+        query.update(tls)
+    return ClusterClient(nodes, query, where)

@@ -59,9 +59,8 @@ class _Captured(NamedTuple):
     options: Dict[str, Any]
 
 
-def _private(key: str) -> Tuple[bool, Any]:
-    """(present, value) of a private in :data:`PRIVATES`."""
-    module, attr, _ = PRIVATES[key]
+def _private(module: str, attr: str) -> Tuple[bool, Any]:
+    """(present, value) of a private."""
     try:
         mod = importlib.import_module(module)
     except ImportError:
@@ -72,27 +71,47 @@ def _private(key: str) -> Tuple[bool, Any]:
 
 
 _CELERY = minor(CELERY_VERSION)
+#: What :func:`blocker` read of :data:`PRIVATES` last: (their spec, a static reason or None, the ContextVars).
+_read: Tuple[Any, Optional[str], Tuple[Any, ...]] = (None, None, ())
+
+
+def _static() -> Tuple[Optional[str], Tuple[Any, ...]]:
+    """The privates' presence and type, read once per process (again if :data:`PRIVATES` changes)."""
+    global _read
+    spec = tuple(PRIVATES.items())
+    if _read[0] == spec:
+        return _read[1], _read[2]
+    reason, getters = None, []
+    for module, attr, since in PRIVATES.values():
+        present, value = _private(module, attr)
+        if not present:
+            if _CELERY >= since:
+                reason = f"{module}.{attr} is missing from Celery {CELERY_VERSION} (the fast path reads it)"
+                break
+            continue
+        get = getattr(value, "get", None)
+        if not callable(get):
+            reason = f"{module}.{attr} is not what the fast path expects (no get())"
+            break
+        getters.append((f"{module}.{attr}", get))
+    _read = (spec, reason, tuple(getters))
+    return reason, _read[2]
 
 
 def blocker() -> Optional[str]:
     """Why this process's Celery cannot be replayed at all (None: it can).
 
-    Cheap: called before each template is used. A private that this Celery should
-    have and does not, or one that is not what we read it as, turns the fast path off."""
-    for key, (module, attr, since) in PRIVATES.items():
-        present, value = _private(key)
-        if not present:
-            if _CELERY >= since:
-                return f"{module}.{attr} is missing from Celery {CELERY_VERSION} (the fast path reads it)"
-            continue
-        get = getattr(value, "get", None)
-        if not callable(get):
-            return f"{module}.{attr} is not what the fast path expects (no get())"
+    Called before each template is used, so the static part is read once. A private that this
+    Celery should have and does not, or one that is not what we read it as, turns the fast path off."""
+    reason, getters = _static()
+    if reason is not None:
+        return reason
+    for name, get in getters:
         try:
             if get():
                 return "a worker callback is being published (Celery retries that publish itself)"
         except Exception as exc:  # a different object under the same name
-            return f"{module}.{attr}.get() failed: {exc!r}"
+            return f"{name}.get() failed: {exc!r}"
     if signals.task_sent.receivers:
         return "receivers of the deprecated task_sent signal are connected"
     return None

@@ -176,15 +176,19 @@ class Template:
         policy = publish.get("retry_policy")
         if isinstance(policy, dict):
             publish["retry_policy"] = policy = dict(policy)
+        return body, headers, properties, sent_event, publish
+
+    def _fresh(self, body, headers, properties, sent_event, publish) -> Dict[int, Any]:
+        """This message's own objects by the id() of the recorded ones they stand for."""
         ids = self.recorded_ids
         fresh = {ids["body"]: body, ids["headers"]: headers, ids["properties"]: properties}
         if ids.get("declare") is not None:
-            fresh[ids["declare"]] = entities
+            fresh[ids["declare"]] = publish["declare"]
         if ids.get("retry_policy") is not None:
-            fresh[ids["retry_policy"]] = policy
+            fresh[ids["retry_policy"]] = publish["retry_policy"]
         if ids.get("sent_event") is not None:
             fresh[ids["sent_event"]] = sent_event
-        return body, headers, properties, sent_event, publish, fresh
+        return fresh
 
     def send(self, app: Celery, producer, task_id: str, eta: Optional[datetime], dynamic: Dict[str, Any], *,
              declare: bool, backend, event_dispatcher=None) -> None:
@@ -193,8 +197,8 @@ class Template:
         Raises :class:`TemplateBroken` when stamping fails or kombu refuses the call, before
         anything is sent: Celery's own path can then send it."""
         try:
-            body, headers, properties, sent_event, publish, fresh = self._prepared(
-                app, task_id, eta, dynamic, declare)
+            body, headers, properties, sent_event, publish = self._prepared(app, task_id, eta, dynamic, declare)
+            fresh = None  # built when a signal or the sent event needs it
             reraise = producer.connection._reraise_as_library_errors
         except Exception as exc:
             raise TemplateBroken(repr(exc)) from exc
@@ -204,6 +208,7 @@ class Template:
             content: Dict[str, Any] = {}
             if self.before is not None and signals.before_task_publish.receivers:
                 # A receiver may change the body: serialise it after the signal, as Celery does.
+                fresh = self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.before, fresh)
                 signals.before_task_publish.send(sender=named.pop("sender"), **named)
                 payload = body
@@ -216,11 +221,13 @@ class Template:
                 # kombu refused the call itself (a broker error is none of these): nothing went out
                 raise TemplateBroken(repr(exc)) from exc
             if self.after is not None and signals.after_task_publish.receivers:
+                fresh = fresh or self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.after, fresh)
                 signals.after_task_publish.send(sender=named.pop("sender"), **named)
             if sent_event is not None:
                 evd = event_dispatcher or self.event_dispatcher
                 kind, _, *rest = self.event_args
+                fresh = fresh or self._fresh(body, headers, properties, sent_event, publish)
                 evd.publish(kind, sent_event, producer, *rest[1:], **_bind(self.event_kwargs, fresh))
 
 

@@ -1,7 +1,10 @@
 """Leadership: which replica schedules, and how we talk to Redis.
 
-Owns the Redis lease with its fencing term (:mod:`.lease`), the notice that
-stored schedules changed (:mod:`.notices`), the redis-py
+Owns the Redis lease with its fencing term: the state machine the scheduler drives
+(:mod:`.lease`), its keys and tokened Lua scripts (:mod:`.scripts`), the term and the local
+deadline (:mod:`.fencing`), the cluster id key tying it to one claim store (:mod:`.identity`),
+the standby's wait for a release (:mod:`.standby`), its events and Redis outages
+(:mod:`.events`); the notice that stored schedules changed (:mod:`.notices`), the redis-py
 client factory for every URL form a Celery user has: plain, TLS, Unix socket,
 Sentinel (:mod:`.redisconn`), and a Redis Cluster (``redis+cluster://``: the lazy,
 bounded cluster client in :mod:`.clusterconn`), how notices travel (pub/sub, or

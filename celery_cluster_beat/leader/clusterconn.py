@@ -31,7 +31,7 @@ master that serves their slot. What differs from a single Redis, and why:
   or a DNS name that resolves to live nodes (a managed service's configuration
   endpoint).
 * **Errors are Redis errors.** ``RedisClusterException`` (no reachable node) is not a
-  ``RedisError`` in redis-py; the lease treats it as one (see ``lease._REDIS_ERRORS``).
+  ``RedisError`` in redis-py; the lease treats it as one (see ``events.REDIS_ERRORS``).
 """
 from __future__ import annotations
 

@@ -1,48 +1,27 @@
 """The Redis leader lease: one beat replica schedules, the others stand by.
 
-Model: redis-py's ``redis.lock.Lock`` (a random token per holding; release and
-extend are Lua scripts that act only while the key still holds *our* token), plus
-what a scheduler needs on top of a lock:
+This module is the lease's state machine, the part the scheduler drives: standby →
+leader (:meth:`RedisLease.try_acquire`), renewals (:meth:`~RedisLease.maintain`), and
+back to standby by losing it, releasing it or stepping down. Each rule it applies has
+a module of its own, so that each can be read, and checked, on its own:
 
-* **A term (fencing token).** Every acquisition takes a number from a Redis
-  counter (``INCR``) in the same Lua script that sets the key, so terms strictly
-  increase across holdings. The SQL claim store refuses writes carrying a term
-  lower than one it has seen; :meth:`RedisLease.step_down` is the reaction.
-* **A local deadline.** ``valid_until`` is the time the acquire/renew command was
-  *sent* plus ``ttl - safety_margin``; the key cannot expire in Redis before
-  ``sent + ttl``, so a leader that stops acting at ``valid_until`` never overlaps
-  with the next one, whether or not Redis answers. :attr:`RedisLease.is_leader`
-  reads the clock, it never waits for Redis.
-* **Fast handover.** :meth:`RedisLease.release` deletes the key and publishes a
-  notice in one script; a standby blocked in :meth:`RedisLease.wait_for_release`
-  wakes at once. When the holder dies instead, the standby's wait ends when the
-  holder's key is due to expire, so failover takes at most ``ttl`` after the last
-  renewal (plus one round trip).
-* **No exceptions from Redis trouble.** Connection errors and time-outs are
-  logged (once per outage), reported as events, and turned into return values.
+* the keys, the lease value and the tokened Lua scripts, modelled on redis-py's
+  ``redis.lock.Lock`` (:mod:`.scripts`);
+* the term (fencing token) and the local deadline ``valid_until``, which keep two
+  leaders from acting at once (:mod:`.fencing`);
+* the cluster id key that ties the lease to one claim store (:mod:`.identity`);
+* the standby's wait for a release notice (pub/sub, sharded pub/sub or polling),
+  which makes a handover fast (:mod:`.standby`);
+* the events, and Redis trouble turned into return values with back-off, logged once
+  per outage (:mod:`.events`).
 
-Keys (one Redis Cluster slot thanks to the ``{name}`` hash tag)::
-
-    cluster_beat:{<name>}:lease      "<token>:<term>:<node_id>", PX ttl
-    cluster_beat:{<name>}:term       the term counter (never expires)
-    cluster_beat:{<name>}:released   pub/sub channel of release notices
-    cluster_beat:{<name>}:cluster    the cluster id of the claim store the lease serves;
-                                     refreshed by every acquisition, expires 30 days after the last
-
-On a Redis Cluster (``redis+cluster://``) the scripts run unchanged on the master
-that serves that slot; the release notice is then a sharded ``SPUBLISH`` from the
-release script, heard with ``SSUBSCRIBE`` on that master (:mod:`.channels`). A
-failover of that master loses the lease at worst for one ttl: the holder cannot renew
-while no master serves the slot, stops at ``valid_until``, and whoever acquires next
-(the same node or another) takes a higher term. A replica promoted before it received
-the last ``INCR`` may hand out a term again, as a Redis restarted without data does:
-the claim store's fence refuses an equal term from another node, and the node then
-steps down and acquires above the term it was shown (``step_down(observed_term=...)``).
-
-A lease is named after the cluster (``cluster_beat_cluster_name``), never after
-a URL: a key must not publish anything derived from a password. Two claim
-databases behind one lease would keep two histories, so the acquire script
-refuses a node whose store's cluster id differs from the one recorded.
+On a Redis Cluster (``redis+cluster://``) a failover of the master serving the lease's
+slot loses the lease at worst for one ttl: the holder cannot renew while no master
+serves the slot, stops at ``valid_until``, and whoever acquires next (the same node or
+another) takes a higher term. A replica promoted before it received the last ``INCR``
+may hand out a term again, as a Redis restarted without data does: the claim store's
+fence refuses an equal term from another node, and the node then steps down and
+acquires above the term it was shown (``step_down(observed_term=...)``).
 
 Thread safety: the methods that talk to Redis serialise on an internal lock, so
 ``release()``/``close()`` may be called from a signal handler or another thread
@@ -52,186 +31,27 @@ and :attr:`valid_until` never block.
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import threading
 import time
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Callable, Optional
 
 import redis
-from redis.exceptions import RedisClusterException, RedisError
 
 from ..errors import ConfigError
-from .channels import NoticeTransport, Subscription, SubscriptionLost
-from .clusterconn import is_cluster
-from .urls import mask_url
+from .channels import NoticeTransport
+from .events import REDIS_ERRORS, LeaseEvent, LeaseReporter
+from .fencing import Holding, LeaseTiming, TermFloor
+from .identity import ClusterIdentity, ForeignClusterError, cluster_key
+from .scripts import AcquireStatus, LeaseScripts, lease_keys, parse_value
+from .standby import ReleaseWaiter
 
 __all__ = ["LeaseEvent", "RedisLease", "lease_keys", "cluster_key", "ForeignClusterError"]
 
+#: The lease value's reader, under the name ``ops.report`` imports it by.
+_parse_value = parse_value
+
 logger = logging.getLogger("celery_cluster_beat.lease")
-
-#: Errors that mean "Redis did not do what we asked" (unreachable, timed out,
-#: loading, read-only replica, script error, no Redis Cluster node reachable...).
-#: Anything else is a bug and raises.
-_REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
-
-#: Longest pause between attempts while Redis is down (seconds).
-MAX_BACKOFF = 2.0
-_FIRST_BACKOFF = 0.1
-
-
-class LeaseEvent(str, Enum):
-    ACQUIRED = "acquired"  # we became leader (info: term)
-    RENEWED_LATE = "renewed_late"  # a renewal came more than 2/3 ttl after the previous one
-    LOST = "lost"  # the holding ended without our consent (expired, taken over, Redis gone past valid_until)
-    RELEASED = "released"  # we gave the lease up (release()/close())
-    STEPPED_DOWN = "stepped_down"  # we gave it up because the claim store saw a higher term
-    REDIS_DOWN = "redis_down"  # first failed Redis call of an outage
-    REDIS_BACK = "redis_back"  # first successful call after an outage
-
-    def __str__(self) -> str:  # "acquired", not "LeaseEvent.ACQUIRED", in logs
-        return self.value
-
-
-def lease_keys(name: str) -> "tuple[str, str, str]":
-    """The lease key, the term counter key and the release channel of lease *name*."""
-    base = f"cluster_beat:{{{name}}}"
-    return base + ":lease", base + ":term", base + ":released"
-
-
-def cluster_key(name: str) -> str:
-    """The key naming the claim store (by its cluster id) that lease *name* belongs to."""
-    return f"cluster_beat:{{{name}}}:cluster"
-
-
-#: How long the cluster id key outlives the last acquisition: a decommissioned cluster's
-#: key goes away, a running one's is refreshed by every acquisition.
-CLUSTER_KEY_TTL = 30 * 86400.0
-
-
-class ForeignClusterError(ConfigError):
-    """The lease is used by nodes of another claim store: two histories behind one leader."""
-
-
-# Every script starts with this: is a lease value ours (does it carry our token, ARGV[1])?
-_OURS = """
-local function ours(value)
-    return value and string.sub(value, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. ':'
-end
-"""
-
-# KEYS[1] lease key, KEYS[2] term counter, KEYS[3] cluster id key
-# ARGV[1] token, ARGV[2] ttl in ms, ARGV[3] node id, ARGV[4] lowest term the counter may hold,
-# ARGV[5] our cluster id ('' for none), ARGV[6] how long the cluster id key lives (ms)
-# Returns {1, value} when we hold the lease now, {0, holder's value, holder's pttl} otherwise,
-# {-1, their cluster id} when the lease belongs to another cluster (another claim store).
-# Idempotent for one token: if a previous call with the same token set the key but
-# its reply was lost, calling again returns that holding (and refreshes its ttl)
-# instead of locking ourselves out until it expires.
-_ACQUIRE = _OURS + """
-if ARGV[5] ~= '' then
-    local cluster = redis.call('get', KEYS[3])
-    if cluster and cluster ~= ARGV[5] then
-        return {-1, cluster}
-    end
-end
-local current = redis.call('get', KEYS[1])
-if current then
-    if ours(current) then
-        redis.call('pexpire', KEYS[1], ARGV[2])
-        if ARGV[5] ~= '' then
-            redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
-        end
-        return {1, current}
-    end
-    return {0, current, redis.call('pttl', KEYS[1])}
-end
--- Only a node that takes the lease names the cluster: a refused one must not.
-if ARGV[5] ~= '' then
-    redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[6])
-end
-local floor = tonumber(ARGV[4]) or 0
-local counter = tonumber(redis.call('get', KEYS[2]) or '0') or 0
-if counter < floor then
-    redis.call('set', KEYS[2], floor)
-end
-local term = redis.call('incr', KEYS[2])
-local value = ARGV[1] .. ':' .. term .. ':' .. ARGV[3]
-redis.call('set', KEYS[1], value, 'PX', ARGV[2])
-return {1, value}
-"""
-
-# KEYS[1] lease key, KEYS[2] cluster id key; ARGV[1] token, ARGV[2] ttl in ms,
-# ARGV[3] our cluster id ('' for none), ARGV[4] the cluster id key's ttl in ms.
-# 1 if renewed (and the cluster id kept alive with it), 0 if not ours.
-_RENEW = _OURS + """
-local current = redis.call('get', KEYS[1])
-if ours(current) then
-    redis.call('pexpire', KEYS[1], ARGV[2])
-    if ARGV[3] ~= '' then
-        redis.call('set', KEYS[2], ARGV[3], 'PX', ARGV[4])
-    end
-    return 1
-end
-return 0
-"""
-
-# KEYS[1] lease key; ARGV[1] token, ARGV[2] channel, ARGV[3] notice.
-# 1 if we deleted our key (and told the standbys), 0 if it was not ours.
-_RELEASE = _OURS + """
-local current = redis.call('get', KEYS[1])
-if ours(current) then
-    redis.call('del', KEYS[1])
-    redis.call('publish', ARGV[2], ARGV[3])
-    return 1
-end
-return 0
-"""
-
-# The same on a Redis Cluster: a sharded notice on the slot of the keys (the channel has their
-# hash tag). pcall: a server without SPUBLISH (before Redis 7) still deletes the key, and its
-# standbys look at the key instead of listening (channels.NoticeTransport.POLL).
-_RELEASE_SHARDED = _OURS + """
-local current = redis.call('get', KEYS[1])
-if ours(current) then
-    redis.call('del', KEYS[1])
-    redis.pcall('spublish', ARGV[2], ARGV[3])
-    return 1
-end
-return 0
-"""
-
-#: Seconds between looks at the lease key of a standby that cannot hear release notices.
-POLL_INTERVAL = 0.2
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
-
-
-def _parse_value(value: Any) -> "tuple[Optional[int], Optional[str]]":
-    """(term, node id) of a lease value ``token:term:node_id``; (None, None) if foreign."""
-    parts = _text(value).split(":", 2)
-    if len(parts) < 2:
-        return None, None
-    try:
-        term = int(parts[1])
-    except ValueError:
-        return None, None
-    return term, (parts[2] if len(parts) > 2 else "")
-
-
-@dataclass
-class _Holding:
-    token: str
-    term: int
-    last_renewed: float  # send time of the last successful acquire/renew
-    valid_until: float
-    next_renew_at: float
 
 
 class RedisLease:
@@ -271,60 +91,40 @@ class RedisLease:
             problems.append(f"lease name must be a non-empty string, not {name!r}")
         if not isinstance(node_id, str) or not node_id:
             problems.append(f"lease node_id must be a non-empty string, not {node_id!r}")
-        try:
-            ttl = float(ttl)
-        except (TypeError, ValueError):
-            problems.append(f"lease ttl must be a number of seconds, not {ttl!r}")
-            ttl = 5.0
-        if not ttl >= 0.1:
-            problems.append(f"lease ttl must be at least 0.1 s, not {ttl!r}")
-        if safety_margin is None:
-            safety_margin = min(1.0, max(0.05, ttl / 10.0))
-        try:
-            safety_margin = float(safety_margin)
-        except (TypeError, ValueError):
-            problems.append(f"lease safety_margin must be a number of seconds, not {safety_margin!r}")
-            safety_margin = 0.0
-        if not 0.0 <= safety_margin <= ttl / 2.0:
-            problems.append(
-                f"lease safety_margin must be between 0 and ttl/2 ({ttl / 2.0:g} s), not {safety_margin!r}"
-            )
+        timing = LeaseTiming.checked(ttl, safety_margin, problems)
         if problems:
             raise ConfigError(problems)
 
         self._factory = client_factory
         self.name = name
         self.node_id = node_id
-        self.ttl = ttl
-        self.safety_margin = safety_margin
-        self._ttl_ms = max(1, int(round(ttl * 1000)))
-        self._on_event = on_event
+        self._timing = timing
+        self.ttl = timing.ttl
+        self.safety_margin = timing.safety_margin
         self._clock = clock
         self.lease_key, self.term_key, self.channel = lease_keys(name)
         self.cluster_key = cluster_key(name)
         self.cluster_id = cluster_id
-        #: The other cluster's id when the lease belongs to another claim store.
-        self.foreign_cluster: Optional[str] = None
+        self._identity = ClusterIdentity(name=name, node_id=node_id, cluster_id=cluster_id)
 
         self._lock = threading.RLock()
         self._client: Optional[redis.Redis] = None
-        self._scripts: Optional[tuple] = None
-        self._pubsub: Optional[Subscription] = None
+        self._scripts: Optional[LeaseScripts] = None
         self._closed = False
-        self._holding: Optional[_Holding] = None
+        self._holding: Optional[Holding] = None
         # Token of an acquire attempt whose reply we never got: the key may be ours.
         self._pending_token: Optional[str] = None
-        self._renew_retry = min(0.25, ttl / 10.0)
         # Highest term seen anywhere (our holdings, other holders, the claim
         # store): the counter is raised to it before the next INCR, so terms keep
         # increasing even if Redis lost the counter (restart without persistence).
-        self._term_floor = 0
-        # What the last failed try_acquire told us about the holder.
+        self._term_floor = TermFloor()
+        # node_id of the holder as the last failed try_acquire told us.
         self._holder: Optional[str] = None
-        self._holder_expires_at: Optional[float] = None
-        # Outage bookkeeping.
-        self._down_since: Optional[float] = None
-        self._failures = 0
+        self._events = LeaseReporter(name=name, node_id=node_id, on_event=on_event, clock=clock)
+        self._standby = ReleaseWaiter(
+            name=name, lease_key=self.lease_key, channel=self.channel, ttl=self.ttl, get_client=self._get_client,
+            reporter=self._events, lock=self._lock, clock=clock, closed=lambda: self._closed,
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -349,12 +149,23 @@ class RedisLease:
     @property
     def redis_down(self) -> bool:
         """The last Redis call failed."""
-        return self._down_since is not None
+        return self._events.redis_down
 
     @property
     def holder(self) -> Optional[str]:
         """node_id of the leader as last seen by :meth:`try_acquire` (None if unknown)."""
         return self._holder
+
+    @property
+    def foreign_cluster(self) -> Optional[str]:
+        """The other cluster's id when the lease belongs to another claim store."""
+        return self._identity.foreign
+
+    @property
+    def notice_transport(self) -> Optional[NoticeTransport]:
+        """How this standby hears a release (pub/sub, sharded, or polling); None until it first waited."""
+        subscription = self._standby.subscription
+        return subscription.transport if subscription is not None else None
 
     def __repr__(self) -> str:
         state = f"leader term={self.term}" if self._holding is not None else "standby"
@@ -367,49 +178,11 @@ class RedisLease:
             self._client = self._factory()
         return self._client
 
-    def _get_scripts(self, client: redis.Redis) -> tuple:
+    def _get_scripts(self, client: redis.Redis) -> LeaseScripts:
         if self._scripts is None:
-            self._scripts = (
-                client.register_script(_ACQUIRE),
-                client.register_script(_RENEW),
-                client.register_script(_RELEASE_SHARDED if is_cluster(client) else _RELEASE),
-            )
+            self._scripts = LeaseScripts(client, lease_key=self.lease_key, term_key=self.term_key,
+                                         channel=self.channel, cluster_key=self.cluster_key)
         return self._scripts
-
-    def _emit(self, event: LeaseEvent, **info: Any) -> None:
-        if self._on_event is None:
-            return
-        info.setdefault("name", self.name)
-        info.setdefault("node_id", self.node_id)
-        try:
-            self._on_event(event, info)
-        except Exception:
-            logger.exception("lease %r: on_event handler failed for %s", self.name, event)
-
-    def _note_down(self, exc: BaseException, doing: str) -> None:
-        self._failures += 1
-        if self._down_since is None:
-            self._down_since = self._clock()
-            error = mask_url(f"{type(exc).__name__}: {exc}")
-            logger.warning(
-                "lease %r (node %s): Redis unavailable while trying to %s: %s; retrying with back-off",
-                self.name, self.node_id, doing, error,
-            )
-            self._emit(LeaseEvent.REDIS_DOWN, error=error, doing=doing)
-        else:
-            logger.debug("lease %r: Redis still unavailable (%s): %s", self.name, doing, type(exc).__name__)
-
-    def _note_up(self) -> None:
-        self._failures = 0
-        if self._down_since is not None:
-            downtime = self._clock() - self._down_since
-            self._down_since = None
-            logger.info("lease %r (node %s): Redis reachable again after %.1f s", self.name, self.node_id, downtime)
-            self._emit(LeaseEvent.REDIS_BACK, downtime=downtime)
-
-    def _observe(self, term: Optional[int]) -> None:
-        if term is not None and term > self._term_floor:
-            self._term_floor = term
 
     # -------------------------------------------------------------- operations
 
@@ -428,71 +201,46 @@ class RedisLease:
             token = self._pending_token or secrets.token_hex(16)
             try:
                 client = self._get_client()
-                acquire = self._get_scripts(client)[0]
+                scripts = self._get_scripts(client)
                 sent = self._clock()
-                reply = acquire(
-                    keys=[self.lease_key, self.term_key, self.cluster_key],
-                    args=[token, self._ttl_ms, self.node_id, self._term_floor, self.cluster_id or "",
-                          int(CLUSTER_KEY_TTL * 1000)],
-                    client=client,
-                )
-            except _REDIS_ERRORS as exc:
+                reply = scripts.acquire(token, self._timing.ttl_ms, self.node_id, self._term_floor.value,
+                                        self._identity.script_args())
+            except REDIS_ERRORS as exc:
                 # The script may have run and only the reply been lost: try the
                 # same token next time, which finds and keeps that holding.
                 self._pending_token = token
-                self._note_down(exc, "acquire the lease")
+                self._events.down(exc, "acquire the lease")
                 return False
             received = self._clock()
             self._pending_token = None
-            self._note_up()
-            if int(reply[0]) == -1:
-                theirs = _text(reply[1])
-                if theirs != self.foreign_cluster:
-                    self.foreign_cluster = theirs
-                    logger.error("lease %r: %s", self.name, self._foreign_message(theirs))
+            self._events.up()
+            if reply.status is AcquireStatus.FOREIGN:
+                self._identity.refused(reply.value)
                 return False
-            self.foreign_cluster = None
-            if int(reply[0]) == 1:
-                value = _text(reply[1])
-                term, _ = _parse_value(value)
+            self._identity.accepted()
+            if reply.status is AcquireStatus.HELD:
+                term, _ = parse_value(reply.value)
                 if term is None:  # cannot happen with our script; be loud rather than wrong
-                    logger.error("lease %r: unexpected lease value %r", self.name, value)
+                    logger.error("lease %r: unexpected lease value %r", self.name, reply.value)
                     return False
-                self._observe(term)
-                self._holding = _Holding(
-                    token=token,
-                    term=term,
-                    last_renewed=sent,
-                    valid_until=sent + self.ttl - self.safety_margin,
-                    next_renew_at=sent + self.ttl / 3.0,
-                )
-                self._holder, self._holder_expires_at = self.node_id, None
+                self._term_floor.observe(term)
+                self._holding = self._timing.hold(token, term, sent)
+                self._holder, self._standby.holder_expires_at = self.node_id, None
                 logger.info(
                     "lease %r: node %s is now the leader (term %d, ttl %.3g s)",
                     self.name, self.node_id, term, self.ttl,
                 )
-                self._emit(LeaseEvent.ACQUIRED, term=term)
+                self._events.emit(LeaseEvent.ACQUIRED, term=term)
                 return self.is_leader
-            term, holder = _parse_value(reply[1])
-            self._observe(term)
-            pttl = int(reply[2]) if len(reply) > 2 else -1
-            # (a key without expiry was not set by us: look again after a ttl)
-            self._holder_expires_at = received + (pttl / 1000.0 + 0.001 if pttl >= 0 else self.ttl)
+            term, holder = parse_value(reply.value)
+            self._term_floor.observe(term)
+            self._standby.saw_holder(reply.pttl, received)
             if holder != self._holder:
                 logger.info(
                     "lease %r: standing by, leader is %s (term %s)", self.name, holder or "?", term,
                 )
                 self._holder = holder
             return False
-
-    def _foreign_message(self, theirs: str) -> str:
-        return (
-            f"node {self.node_id} writes to claim store {self.cluster_id}, but the lease {self.name!r} "
-            f"belongs to the nodes of claim store {theirs}: two claim databases behind one leader would "
-            "each keep a history of their own and resend what the other sent. Point cluster_beat_db_url "
-            "at the same database on every node of the cluster, or give this one its own "
-            f"cluster_beat_cluster_name (Redis key {self.cluster_key} names the store in use)."
-        )
 
     def check_cluster(self) -> bool:
         """Refuse (ForeignClusterError) when the lease belongs to another claim store.
@@ -508,12 +256,11 @@ class RedisLease:
         with self._lock:
             try:
                 theirs = self._get_client().get(self.cluster_key)
-            except _REDIS_ERRORS as exc:
-                self._note_down(exc, "check which claim store the lease serves")
+            except REDIS_ERRORS as exc:
+                self._events.down(exc, "check which claim store the lease serves")
                 return False
-            self._note_up()
-        if theirs is not None and _text(theirs) != self.cluster_id:
-            raise ForeignClusterError(self._foreign_message(_text(theirs)))
+            self._events.up()
+        self._identity.check(theirs)
         return True
 
     def renew(self) -> bool:
@@ -530,13 +277,11 @@ class RedisLease:
                 return False
             try:
                 client = self._get_client()
-                renew = self._get_scripts(client)[1]
+                scripts = self._get_scripts(client)
                 sent = self._clock()
-                ok = renew(keys=[self.lease_key, self.cluster_key],
-                           args=[holding.token, self._ttl_ms, self.cluster_id or "", int(CLUSTER_KEY_TTL * 1000)],
-                           client=client)
-            except _REDIS_ERRORS as exc:
-                self._note_down(exc, "renew the lease")
+                ok = scripts.renew(holding.token, self._timing.ttl_ms, self._identity.script_args())
+            except REDIS_ERRORS as exc:
+                self._events.down(exc, "renew the lease")
                 now = self._clock()
                 if now >= holding.valid_until:
                     self._lose(
@@ -546,28 +291,25 @@ class RedisLease:
                         redis_down=True,
                     )
                     return False
-                holding.next_renew_at = min(now + self._renew_retry, holding.valid_until)
+                self._timing.retry_renewal(holding, now)
                 return True
-            self._note_up()
-            if not int(ok):
+            self._events.up()
+            if not ok:
                 self._lose(holding, "the lease key no longer holds our token (it expired or another node took it)")
                 return False
-            since = sent - holding.last_renewed
-            holding.last_renewed = sent
-            holding.valid_until = sent + self.ttl - self.safety_margin
-            holding.next_renew_at = sent + self.ttl / 3.0
-            if since > self.ttl * 2.0 / 3.0:
+            since = self._timing.extend(holding, sent)
+            if self._timing.is_late(since):
                 logger.warning(
                     "lease %r: renewed late, %.3f s after the previous renewal (ttl %.3g s); "
                     "is the scheduler loop blocked?", self.name, since, self.ttl,
                 )
-                self._emit(LeaseEvent.RENEWED_LATE, term=holding.term, since_last=since)
+                self._events.emit(LeaseEvent.RENEWED_LATE, term=holding.term, since_last=since)
             return True
 
-    def _lose(self, holding: _Holding, reason: str, **info: Any) -> None:
+    def _lose(self, holding: Holding, reason: str, **info: Any) -> None:
         self._holding = None
         logger.warning("lease %r: node %s lost the leadership (term %d): %s", self.name, self.node_id, holding.term, reason)
-        self._emit(LeaseEvent.LOST, term=holding.term, reason=reason, **info)
+        self._events.emit(LeaseEvent.LOST, term=holding.term, reason=reason, **info)
 
     def maintain(self) -> bool:
         """Renew when due (every ttl/3; sooner after a failed renewal); returns :attr:`is_leader`.
@@ -600,13 +342,14 @@ class RedisLease:
         Lease held elsewhere: until that holder's key is due to expire (at most ttl).
         Holding it ourselves: :meth:`next_renew_in`.
         """
-        if self._down_since is not None or self._failures:
-            delay = min(MAX_BACKOFF, _FIRST_BACKOFF * (2 ** max(0, self._failures - 1)))
-            return delay * random.uniform(0.75, 1.0)
+        backoff = self._events.backoff()
+        if backoff is not None:
+            return backoff
         if self._holding is not None:
             return self.next_renew_in()
-        if self._holder_expires_at is not None:
-            return min(self.ttl, max(0.0, self._holder_expires_at - self._clock()))
+        expires_at = self._standby.holder_expires_at
+        if expires_at is not None:
+            return min(self.ttl, max(0.0, expires_at - self._clock()))
         return 0.0
 
     def _forget(self, event: LeaseEvent, reason: str) -> None:
@@ -619,11 +362,10 @@ class RedisLease:
         deleted = False
         try:
             client = self._get_client()
-            release = self._get_scripts(client)[2]
-            notice = f"{holding.term if holding else ''}:{self.node_id}"
-            deleted = bool(int(release(keys=[self.lease_key], args=[token, self.channel, notice], client=client)))
-        except _REDIS_ERRORS as exc:
-            self._note_down(exc, "release the lease")
+            scripts = self._get_scripts(client)
+            deleted = scripts.release(token, f"{holding.term if holding else ''}:{self.node_id}")
+        except REDIS_ERRORS as exc:
+            self._events.down(exc, "release the lease")
             logger.warning(
                 "lease %r: could not delete the lease key (%s); it expires within %.3g s",
                 self.name, type(exc).__name__, self.ttl,
@@ -631,7 +373,7 @@ class RedisLease:
         except Exception:  # never raise from release/step_down/close
             logger.exception("lease %r: unexpected error while releasing", self.name)
         else:
-            self._note_up()
+            self._events.up()
         if holding is None:
             return  # an unconfirmed acquisition: nothing to report
         if event is LeaseEvent.RELEASED:
@@ -643,7 +385,7 @@ class RedisLease:
             logger.warning(
                 "lease %r: node %s stepped down (term %d): %s", self.name, self.node_id, holding.term, reason,
             )
-        self._emit(event, term=holding.term, reason=reason, deleted=deleted)
+        self._events.emit(event, term=holding.term, reason=reason, deleted=deleted)
 
     def release(self) -> None:
         """Give the lease up: delete our key and notify the standbys. Idempotent, never raises."""
@@ -660,38 +402,12 @@ class RedisLease:
         with self._lock:
             if observed_term is not None:
                 try:
-                    self._observe(int(observed_term))
+                    self._term_floor.observe(int(observed_term))
                 except (TypeError, ValueError):
                     pass
             self._forget(LeaseEvent.STEPPED_DOWN, str(reason))
 
     # ----------------------------------------------------------------- standby
-
-    def _drop_pubsub(self) -> None:
-        subscription, self._pubsub = self._pubsub, None
-        if subscription is not None:
-            subscription.close()
-
-    def _subscribe(self, deadline: float) -> bool:
-        """Subscribe to the release channel; True if the lease turned out to be free."""
-        client = self._get_client()
-        subscription = Subscription(client, self.channel)
-        self._pubsub = subscription
-        # Wait for the confirmation so that a release from now on is seen...
-        if subscription.open(max(deadline - self._clock(), 1.0)) is NoticeTransport.POLL:
-            logger.info("lease %r: this Redis Cluster has no sharded pub/sub (Redis 7+); standbys look at the "
-                        "lease key every %.1f s instead of hearing a release", self.name, POLL_INTERVAL)
-        # ...and a release before it is not missed: is the lease free right now?
-        return self._look()
-
-    def _look(self) -> bool:
-        """Read the lease key's time to live; True when nobody holds the lease."""
-        pttl = int(self._get_client().pttl(self.lease_key))
-        self._note_up()
-        if pttl == -2:
-            return True
-        self._holder_expires_at = self._clock() + (pttl / 1000.0 + 0.001 if pttl >= 0 else self.ttl)
-        return False
 
     def wait_for_release(self, timeout: float) -> bool:
         """Standby: block up to *timeout* s for a release notice; True when one came.
@@ -703,65 +419,7 @@ class RedisLease:
         for the rest of the timeout (at most 2 s) and returns False; the
         subscription is re-established on the next call.
         """
-        start = self._clock()
-        deadline = start + max(0.0, float(timeout))
-        if self._closed:
-            return False
-        expires_at = self._holder_expires_at
-        try:
-            if self._pubsub is None:
-                with self._lock:
-                    if self._pubsub is None and self._subscribe(deadline):
-                        return True
-                expires_at = self._holder_expires_at
-            capped = expires_at is not None and expires_at < deadline
-            if capped:
-                deadline = max(start, expires_at)
-            subscription = self._pubsub
-            while subscription is not None:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    if capped:
-                        self._holder_expires_at = None  # used up; try_acquire learns the next one
-                    return False
-                if subscription.transport is NoticeTransport.POLL:
-                    time.sleep(min(remaining, POLL_INTERVAL))
-                    if self._closed:
-                        return False
-                    if self._look():
-                        self._holder_expires_at = None
-                        return True
-                    continue
-                if subscription.wait(remaining):
-                    self._holder_expires_at = None
-                    return True
-            return False
-        except Exception as exc:
-            interrupted = exc.__context__
-            while isinstance(interrupted, Exception):
-                interrupted = interrupted.__context__
-            if isinstance(interrupted, (SystemExit, KeyboardInterrupt)):
-                # beat's SIGTERM/SIGINT handler closed us and raised while we blocked here; the
-                # socket closed under redis-py turned its SystemExit into this error: let it through.
-                raise interrupted
-            with self._lock:
-                self._drop_pubsub()
-                if self._closed:
-                    return False
-                if isinstance(exc, SubscriptionLost):
-                    # A Redis Cluster moved the channel's slot (a failover): not an outage. The
-                    # next call subscribes on the slot's new master and looks at the key first.
-                    logger.info("lease %r: %s; subscribing again", self.name, exc)
-                    return False
-                if isinstance(exc, _REDIS_ERRORS) or isinstance(exc, (ValueError, AttributeError)):
-                    # ValueError/AttributeError: redis-py's pub/sub on a socket closed under it.
-                    self._note_down(exc, "wait for a release notice")
-                else:
-                    logger.exception("lease %r: unexpected error while waiting for a release", self.name)
-            remaining = deadline - self._clock()
-            if remaining > 0:
-                time.sleep(min(remaining, MAX_BACKOFF))
-            return False
+        return self._standby.wait(timeout)
 
     # ----------------------------------------------------------------- closing
 
@@ -774,7 +432,7 @@ class RedisLease:
                 self._forget(LeaseEvent.RELEASED, "closed")
             finally:
                 self._closed = True
-                self._drop_pubsub()
+                self._standby.drop()
                 client, self._client = self._client, None
                 self._scripts = None
                 if client is not None:

@@ -250,7 +250,7 @@ def test_a_clean_release_wakes_a_waiting_standby_at_once(redis_cluster, make_lea
     started = time.monotonic()
     assert b.wait_for_release(0.3) is False
     assert 0.3 <= time.monotonic() - started < 1.5
-    assert b._pubsub.transport is NoticeTransport.SHARDED
+    assert b.notice_transport is NoticeTransport.SHARDED
 
     latencies = []
     for _ in range(5):
@@ -461,7 +461,7 @@ def test_without_sharded_pubsub_a_standby_looks_at_the_key_and_still_takes_a_rel
     started = time.monotonic()
     assert b.wait_for_release(0.5) is False
     assert 0.5 <= time.monotonic() - started < 1.5
-    assert b._pubsub.transport is NoticeTransport.POLL
+    assert b.notice_transport is NoticeTransport.POLL
 
     latencies = []
     for _ in range(3):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, Set
+from typing import Dict, List, Set
 
 import pytest
 
@@ -113,3 +113,153 @@ def test_importing_the_schedules_pulls_in_neither_sqlalchemy_nor_redis(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=PACKAGE.parent, check=True).stdout.strip()
     assert out == "[]"
+
+
+# ---------------------------------------------------------------- no import cycles
+# A cycle works only while every module in it happens to be imported in one order,
+# and it is how a folder's "imports point down" rule quietly erodes. The graph counts
+# imports inside functions too (a deferred import is still an arrow, and the last cycle
+# this package had, schema <-> dialects, hid in one); it leaves out those under
+# ``if TYPE_CHECKING:``, which never run.
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _run_time_imports(node: ast.AST):
+    """Every import statement under *node* that can run, at any depth."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _run_time_imports(ast.Module(body=[stmt], type_ignores=[]))
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from _run_time_imports(child)
+
+
+def import_graph(package: Path) -> Dict[str, Set[str]]:
+    """Module -> the package's modules importing it runs (dotted names, packages by their name).
+
+    ``from a.b import c`` is an arrow to ``a.b.c`` when that is a module, else to ``a.b``.
+    Importing ``a.b.c`` runs ``a`` and ``a.b`` first, so those are arrows too, except the
+    importer's own enclosing packages: they are already being imported when it runs.
+    """
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    graph: Dict[str, Set[str]] = {}
+    for module, path in modules.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = []
+        for node in _run_time_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+                continue
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets += [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+        arrows = set()
+        for target in targets:
+            while target and target not in modules:  # a name inside a module, or not ours
+                target = target.rpartition(".")[0]
+            while target:
+                if target != module and not module.startswith(target + "."):
+                    arrows.add(target)
+                target = target.rpartition(".")[0]
+        graph[module] = arrows
+    return graph
+
+
+def import_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle (a path back to its start) per group of modules that import each other."""
+    # Tarjan's strongly connected components, iteratively.
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    groups: List[Set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, arrows = work[-1]
+            for nxt in arrows:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.add(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(group)
+    cycles = []
+    for group in groups:  # a shortest way round from the group's first module, for the message
+        start = min(group)
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier and start not in {t for f in frontier for t in graph[f]}:
+            nxt = []
+            for f in frontier:
+                for t in sorted(graph[f] & group):
+                    if t not in paths:
+                        paths[t] = paths[f] + [t]
+                        nxt.append(t)
+            frontier = nxt
+        last = min(f for f in frontier if start in graph[f])
+        cycles.append(paths[last] + [start])
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph(PACKAGE))
+    assert cycles == [], "modules that import each other:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_deferred_import_and_ignores_type_checking(tmp_path):
+    """The check above must be able to fail: the shape this package once had, built in a scratch package."""
+    pkg = tmp_path / "pkg"
+    (pkg / "store" / "dialects").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store" / "__init__.py").write_text("from .schema import table\n")
+    (pkg / "store" / "schema.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .claims import Store\n"
+        "table = 1\n"
+        "def column_type():\n    from .dialects import types_for\n    return types_for()\n")
+    (pkg / "store" / "dialects" / "__init__.py").write_text("from .base import types_for\n")
+    (pkg / "store" / "dialects" / "base.py").write_text("from ..schema import table\ndef types_for(): return table\n")
+    (pkg / "store" / "claims.py").write_text("from .schema import table\nfrom .dialects.base import types_for\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.store.claims"] == {"pkg.store.schema", "pkg.store.dialects", "pkg.store.dialects.base"}
+    assert graph["pkg.store.schema"] == {"pkg.store.dialects"}  # deferred import counted, TYPE_CHECKING not
+    assert import_cycles(graph) == [
+        ["pkg.store.dialects", "pkg.store.dialects.base", "pkg.store.schema", "pkg.store.dialects"]]
+    (pkg / "store" / "schema.py").write_text("table = 1\n")
+    assert import_cycles(import_graph(pkg)) == []

@@ -1,7 +1,10 @@
 """The SQL tick-claim store: the one place that makes "at most once" true.
 
-Owns the tables (:mod:`.schema`), the public :class:`ClaimStore` API
-(:mod:`.claims`), and the per-dialect SQL behind one seam
+Owns the tables (:mod:`.schema`) and their column types (:mod:`.types`), the
+public :class:`ClaimStore` API (:mod:`.claims`, assembled from one module per
+concern: :mod:`.engine`, :mod:`.prepare`, :mod:`.claiming`, :mod:`.takeover`,
+:mod:`.reads`, :mod:`.pruning`, :mod:`.ledger`, :mod:`.stored`, :mod:`.controls`,
+:mod:`.opsqueries`), and the per-dialect SQL behind one seam
 (:mod:`.dialects`: SQLite, PostgreSQL, MySQL/MariaDB). Callers see
 occurrences, statuses and :class:`StoreUnavailable`, never SQLAlchemy.
 

@@ -2,18 +2,20 @@
 
 Datetimes are naive UTC in the database (portable across SQLite, PostgreSQL and
 MySQL/MariaDB) and aware UTC in Python; names compare byte for byte everywhere.
+How each server stores those two is :mod:`.types`'s; this module imports nothing
+of :mod:`.dialects`, which builds its statements on these tables.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 
 from ..base import MAX_NAME_LENGTH, MAX_NODE_ID_LENGTH, StrEnum
-from ..schedules.instants import UTC, require_aware
 from ..schedules.occurrence import Occurrence
+from .types import NameType, UTCDateTime, naive_utc  # noqa: F401  (naive_utc: importable from here as before)
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
@@ -52,62 +54,6 @@ RUN_ERROR_LENGTH = 500
 
 #: Width of the task id column: a Celery task id is a UUID in its 36-character form.
 TASK_ID_LENGTH = 36
-
-
-def naive_utc(value: datetime, what: str = "a datetime stored in the claim database") -> datetime:
-    # A naive value is ambiguous (local? UTC?); guessing wrong would move
-    # claims by hours, so require_aware refuses rather than guesses. Values
-    # already in UTC (occurrences, utcnow()) skip it: every bound datetime
-    # passes here, thousands per claimed burst.
-    if value.tzinfo is not UTC:
-        value = require_aware(value, what)
-    return value.replace(tzinfo=None)
-
-
-def _server(dialect: sa.engine.Dialect) -> Any:
-    """The store dialect that knows *dialect*'s column types (see :mod:`.dialects`)."""
-    # Imported when a type is first resolved, not at import time: the
-    # dialects build their statements on the tables below.
-    from .dialects import column_types_for
-
-    return column_types_for(dialect.name)
-
-
-class UTCDateTime(sa.types.TypeDecorator[datetime]):
-    """Naive UTC in the database, aware UTC in Python.
-
-    Naive storage is the one representation that behaves the same in
-    SQLite (text), PostgreSQL (``timestamp``) and MySQL (``DATETIME(6)``, which
-    has no time zone at all); converting at the boundary means no value ever
-    depends on a server or session time zone.
-    """
-
-    impl = sa.DateTime
-    cache_ok = True
-
-    def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        return dialect.type_descriptor(_server(dialect).datetime_type(dialect))
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        return naive_utc(value)
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC)
-
-
-class NameType(sa.types.TypeDecorator[str]):
-    """VARCHAR compared byte for byte in every dialect (see dialects.mysql.name_collation)."""
-
-    impl = sa.String
-    cache_ok = True
-
-    def load_dialect_impl(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        length = cast(sa.String, self.impl_instance).length
-        return dialect.type_descriptor(_server(dialect).name_type(dialect, length))
 
 
 _MYSQL_TABLE: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}

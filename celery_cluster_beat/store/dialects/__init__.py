@@ -8,6 +8,8 @@ the reasons for it: :class:`~.base.Dialect` is the interface with the portable
 SQLAlchemy Core shapes, and each server's module overrides what its server
 plans badly or lacks. :class:`~..claims.ClaimStore` talks only to the interface,
 so it holds no per-server branches and a server's quirks are read in one place.
+How each server stores a datetime or a name (the column types) is :mod:`..types`'s,
+which the tables are declared with; this folder imports the tables, never the reverse.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .mysql import MySQLDialect
 from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
-__all__ = ["CHUNK", "Dialect", "SUPPORTED_BACKENDS", "column_types_for", "dialect_for"]
+__all__ = ["CHUNK", "Dialect", "SUPPORTED_BACKENDS", "dialect_for"]
 
 _DIALECTS: dict[str, type[Dialect]] = {
     "sqlite": SQLiteDialect,
@@ -38,12 +40,3 @@ def dialect_for(backend_name: str) -> Dialect:
             f"no claim store dialect for {backend_name!r}; supported: {', '.join(SUPPORTED_BACKENDS)}"
         ) from None
     return cls()
-
-
-def column_types_for(dialect_name: str) -> Dialect:
-    """The dialect whose column types the tables take on SQLAlchemy dialect *dialect_name*.
-
-    Unlike :func:`dialect_for`, any name is fine: a statement may be compiled
-    for display with SQLAlchemy's default dialect, which gets the portable types.
-    """
-    return _DIALECTS.get(dialect_name, Dialect)()

@@ -23,7 +23,8 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from ...schedules.instants import utcnow
 from ...schedules.occurrence import Occurrence
-from ..schema import CLAIM_KEY, ClaimStatus, UTCDateTime, claims_table
+from ..schema import CLAIM_KEY, ClaimStatus, claims_table
+from ..types import UTCDateTime
 
 #: Rows per INSERT/UPDATE/DELETE statement: few round trips, a bounded lock
 #: set per statement, and well under the servers' bind-parameter limits
@@ -351,18 +352,6 @@ class Dialect:
             sa.delete(c).where(*self.key_match(CLAIM_KEY, keys), c.c.status != ClaimStatus.CLAIMED.value)
         )
         return max(result.rowcount, 0)
-
-    # ---------------------------------------------------------------- column types
-    # Called with SQLAlchemy's dialect when the schema's types are resolved
-    # (before :meth:`learn`, and for engines that are not the store's).
-
-    def datetime_type(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        """The column type behind :class:`..schema.UTCDateTime` (naive UTC, microseconds kept)."""
-        return sa.DateTime()
-
-    def name_type(self, dialect: sa.engine.Dialect, length: int | None) -> sa.types.TypeEngine[Any]:
-        """The column type behind :class:`..schema.NameType` (compared byte for byte)."""
-        return sa.String(length)
 
     # ---------------------------------------------------------------- checks and locks
 

@@ -21,24 +21,9 @@ from sqlalchemy.engine import URL, Connection
 
 from ...schedules.instants import UTC
 from ...schedules.occurrence import Occurrence
-from ..schema import CLAIM_KEY, ClaimStatus, UTCDateTime, claims_table, naive_utc
+from ..schema import CLAIM_KEY, ClaimStatus, claims_table
+from ..types import UTCDateTime, name_collation, naive_utc
 from .base import CHUNK, ClaimValues, Dialect, Key, KeyedUpdate, Merge, chunks, claim_key, is_instant, new_token
-
-
-def name_collation(dialect: Any) -> str:
-    """The collation of name columns on a MySQL-family server.
-
-    The default collations are case-insensitive: "Report" and "report" would
-    collide on the primary key and one schedule would silently lose every
-    claim. Binary collations compare byte for byte; we prefer a NO PAD one,
-    in which "a" and "a " differ too.
-    """
-    if getattr(dialect, "is_mariadb", False):
-        return "utf8mb4_nopad_bin"
-    version = getattr(dialect, "server_version_info", None) or ()
-    if tuple(version[:3]) >= (8, 0, 17):
-        return "utf8mb4_0900_bin"
-    return "utf8mb4_bin"  # PAD SPACE: MySQLDialect.check_name rejects names ending in a space
 
 
 def _db_value(value: Any) -> Any:
@@ -211,13 +196,6 @@ class MySQLDialect(Dialect):
             f"DELETE c FROM {join} WHERE c.status <> '{ClaimStatus.CLAIMED.value}'", tuple(params)
         )
         return max(result.rowcount, 0)
-
-    def datetime_type(self, dialect: sa.engine.Dialect) -> sa.types.TypeEngine[Any]:
-        # Plain DATETIME drops microseconds; occurrences may carry them.
-        return mysql.DATETIME(fsp=6)
-
-    def name_type(self, dialect: sa.engine.Dialect, length: int | None) -> sa.types.TypeEngine[Any]:
-        return mysql.VARCHAR(length, charset="utf8mb4", collation=name_collation(dialect))
 
     def check_name(self, name: str) -> None:
         if self.pad_space and name.endswith(" "):

@@ -20,7 +20,8 @@ from sqlalchemy.engine import Connection
 
 from ...schedules.instants import UTC
 from ...schedules.occurrence import Occurrence
-from ..schema import CLAIM_KEY, UTCDateTime, claims_table, naive_utc
+from ..schema import CLAIM_KEY, claims_table
+from ..types import UTCDateTime, naive_utc
 from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, chunks, is_instant
 
 

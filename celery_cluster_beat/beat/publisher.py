@@ -96,8 +96,13 @@ class Publisher:
             first = route not in self._declared
             self._declared.add(route)
         headers, dynamic = self._headers(d)
-        template = self.templates.get(d.occurrence.schedule, d.task, d.args, d.kwargs, options, headers, producer,
-                                      eta=d.eta is not None)
+        try:
+            template = self.templates.get(d.occurrence.schedule, d.task, d.args, d.kwargs, options, headers,
+                                          producer, eta=d.eta is not None)
+        except Exception as exc:  # the fast path's own failure must never cost the send
+            template = None
+            self.templates.refuse(d.occurrence.schedule, (d.task, d.args, d.kwargs, options, tuple(headers)),
+                                  f"deciding on its prebuilt message failed ({exc!r})", warn=True)
         if template is not None:
             if self._backend is None:
                 self._backend = self.app.backend
@@ -105,8 +110,10 @@ class Publisher:
                 template.send(self.app, producer, d.occurrence.task_id, d.eta, dynamic, declare=first,
                               backend=self._backend)
             except TemplateBroken as exc:  # nothing went out: Celery's own path sends it, now and from now on
+                # (after a before_task_publish that fired already, receivers see this send twice: rare,
+                # as what kombu refuses is looked for before the signal)
                 self.templates.refuse(d.occurrence.schedule, template.source,
-                                      f"stamping its prebuilt message failed ({exc})", warn=True)
+                                      f"replaying its prebuilt message failed ({exc})", warn=True)
             else:
                 self.stamped += 1
                 return

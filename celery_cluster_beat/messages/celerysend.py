@@ -112,7 +112,8 @@ def blocker() -> Optional[str]:
                 return "a worker callback is being published (Celery retries that publish itself)"
         except Exception as exc:  # a different object under the same name
             return f"{name}.get() failed: {exc!r}"
-    if signals.task_sent.receivers:
+    task_sent = getattr(signals, "task_sent", None)  # deprecated; Celery 6 drops it
+    if task_sent is not None and getattr(task_sent, "receivers", None):
         return "receivers of the deprecated task_sent signal are connected"
     return None
 
@@ -131,8 +132,8 @@ def hook(app: Celery) -> bool:
     not Celery's own (somebody else wraps it, and replaying would bypass them)."""
     amqp = app.amqp
     current = amqp.send_task_message
-    if getattr(current, "__cluster_beat_capture__", False):
-        return True
+    if current is vars(amqp).get("_cluster_beat_hook"):
+        return True  # ours, by identity: a functools.wraps wrapper over it copies its attributes
     if not celerys(current, "amqp.py", "send_task_message"):
         return False
 
@@ -142,17 +143,16 @@ def hook(app: Celery) -> bool:
             return None
         return current(producer, name, message, **options)
 
-    send_task_message.__cluster_beat_capture__ = True  # type: ignore[attr-defined]
     send_task_message.__wrapped__ = current  # type: ignore[attr-defined]
-    amqp.send_task_message = send_task_message
+    amqp.send_task_message = amqp._cluster_beat_hook = send_task_message
     return True
 
 
 def celery_sender(app: Celery) -> Callable[..., Any]:
     """The app's own ``send_task_message`` (under our capture wrapper, once :func:`hook` ran)."""
-    current = app.amqp.send_task_message
-    return getattr(current, "__wrapped__", current) if getattr(current, "__cluster_beat_capture__", False) \
-        else current
+    amqp = app.amqp
+    current = amqp.send_task_message
+    return current.__wrapped__ if current is vars(amqp).get("_cluster_beat_hook") else current
 
 
 def capture_send(app: Celery, task_name: str, args, kwargs, options, headers, producer, *,
@@ -242,6 +242,10 @@ class RecordingDispatcher:
         self._recording.event = Call(args, dict(kwargs))
 
 
+class SignalsUnreadable(RuntimeError):
+    """Celery's signal dispatch is not what the recording relies on: the fast path is off."""
+
+
 def _receiver_entry(func: Callable[..., Any]) -> Any:
     """A receivers-list entry for *func* in the form this Celery's Signal keeps (made by
     ``connect`` on a scratch signal, never by hand)."""
@@ -251,38 +255,61 @@ def _receiver_entry(func: Callable[..., Any]) -> Any:
     return entry
 
 
+def _noop(signal=None, sender=None, **named) -> None:
+    """Listens while a send is recorded, so that a sender skipping signals nobody listens to
+    (Celery < 5.7 tests the receivers list) still sends them; does nothing for anybody."""
+
+
 @contextlib.contextmanager
 def recording_signals(recording: Recording, *, mirror: bool = False):
-    """Swap the publish signals' receivers for recorders during a send on this thread (other
-    threads publishing meanwhile would not reach their receivers: beat publishes on one thread).
+    """Route ``before_task_publish`` / ``after_task_publish`` to recorders, on this thread only,
+    for the duration of one recorded send.
 
-    *mirror*: a recorder only where receivers are connected (a signal nobody listens to stays
-    empty, as the send being checked will find it); else on both signals."""
-
-    def before(signal=None, sender=None, **named):
-        recording.before = dict(named, sender=sender)
-
-    def after(signal=None, sender=None, **named):
-        recording.after = dict(named, sender=sender)
-
-    swaps = []
+    Other threads keep their receivers: each signal's ``_live_receivers`` (a Celery private,
+    probed below before it is relied on) is shadowed on the instance by one that answers the
+    recorder on this thread and the real receivers on any other; receivers connected or
+    disconnected meanwhile stay so. *mirror*: record only where a receiver of this sender is
+    connected (the send being checked must find the signals as a real one would)."""
+    me = threading.get_ident()
+    installed = []
     with _swap_lock:
         try:
-            for sig, func in ((signals.before_task_publish, before), (signals.after_task_publish, after)):
-                receivers = sig.receivers
-                if not isinstance(receivers, list):
-                    raise TypeError(f"{sig.name}.receivers is not a list")
-                if mirror and not receivers:
-                    continue
-                entry = _receiver_entry(func)
-                swaps.append((sig, receivers[:]))
-                receivers[:] = [entry]  # in place: Celery < 5.7's sender holds this very list
-                sig.sender_receivers_cache.clear()
+            for sig, key in ((signals.before_task_publish, "before"), (signals.after_task_publish, "after")):
+                original = getattr(sig, "_live_receivers", None)
+                receivers = getattr(sig, "receivers", None)
+                if not callable(original) or not isinstance(receivers, list) or "_live_receivers" in vars(sig):
+                    raise SignalsUnreadable(f"{sig.name}: celery.utils.dispatch.Signal is not what the fast path "
+                                            "reads (_live_receivers, receivers)")
+
+                def record(signal=None, sender=None, _key=key, **named):
+                    setattr(recording, _key, dict(named, sender=sender))
+
+                def live(sender, *args, _original=original, _record=record, **kwargs):
+                    if threading.get_ident() != me:
+                        return _original(sender, *args, **kwargs)
+                    if mirror and all(r is _noop for r in _original(sender, *args, **kwargs)):
+                        return []
+                    return [_record]
+
+                entry = _receiver_entry(_noop)
+                with sig.lock:
+                    receivers.append(entry)
+                installed.append((sig, entry))
+                sig._live_receivers = live
+                if not mirror:  # the probe: this thread's sends reach the recorder, and only it
+                    sig.send(sender=PLACEHOLDER, cluster_beat_probe=True)
+                    if (getattr(recording, key) or {}).get("cluster_beat_probe") is not True:
+                        raise SignalsUnreadable(f"{sig.name}: a send on this thread did not reach the recorder")
+                    setattr(recording, key, None)
             yield
         finally:
-            for sig, saved in swaps:
-                sig.receivers[:] = saved
-                sig.sender_receivers_cache.clear()
+            for sig, entry in installed:
+                vars(sig).pop("_live_receivers", None)
+                with sig.lock:
+                    for index, existing in enumerate(sig.receivers):
+                        if existing is entry:
+                            del sig.receivers[index]
+                            break
 
 
 def record_send(app: Celery, captured: _Captured, *,

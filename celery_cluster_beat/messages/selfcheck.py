@@ -43,7 +43,7 @@ def shape_of(app: Celery, tpl: Template, options: Dict[str, Any], headers: Dict[
     cls = type(task) if task is not None else None
     if cls is not None and cls.__dict__.get("_decorated"):  # @app.task makes a class per task: its base
         cls = cls.__mro__[1]
-    return (cls, tuple(sorted(options)), tuple(sorted(headers)),
+    return (cls, tuple(sorted(map(repr, options))), tuple(sorted(map(repr, headers))),
             bool(signals.before_task_publish.receivers), bool(signals.after_task_publish.receivers),
             tpl.sent_event is not None, tpl.expires_seconds is not None, tpl.ignore_result)
 

@@ -34,6 +34,7 @@ and anything :func:`.celerysend.blocker` finds different in this Celery.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import numbers
 import threading
@@ -47,6 +48,7 @@ from celery.app.routes import MapRoute
 from celery.app.task import Task
 from celery.utils.time import maybe_make_aware
 from kombu import Exchange
+from kombu.compression import get_encoder
 from kombu.serialization import dumps
 
 from . import celerysend
@@ -62,7 +64,20 @@ except ImportError:  # older Celery: plain addition
 
 
 class TemplateBroken(Exception):
-    """Stamping a template failed before anything was sent: Celery's own path can take it."""
+    """Replaying a template failed before anything was sent: Celery's own path can take it.
+
+    *signalled*: ``before_task_publish`` already fired for this message (a resend now would
+    fire it twice for one send; the next attempt should take Celery's path instead)."""
+
+    def __init__(self, text: str, *, signalled: bool = False) -> None:
+        super().__init__(text)
+        self.signalled = signalled
+
+
+def _fresh_copy(value: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy whose nested lists and dicts are this message's own, as Celery builds them per
+    call (``timelimit``, ``stamps``, ``callbacks``...): a receiver editing one edits one message."""
+    return {k: copy.deepcopy(v) if isinstance(v, (list, dict)) else v for k, v in value.items()}
 
 
 def why_not(app: Celery, task_name: str, options: Dict[str, Any]) -> Optional[str]:
@@ -72,11 +87,14 @@ def why_not(app: Celery, task_name: str, options: Dict[str, Any]) -> Optional[st
         return "task_always_eager is set"
     if conf.task_protocol != 2:
         return f"task protocol {conf.task_protocol} (the task id is in the body)"
-    if not celerys(type(app).send_task, "base.py", "send_task"):
+    # The bound methods: a wrapper set on the instance counts as much as one on the class.
+    if not celerys(app.send_task, "base.py", "send_task"):
         return f"{type(app).__name__}.send_task is overridden or wrapped (it may do something per call)"
     task = app.tasks.get(task_name)
-    if task is not None and not celerys(type(task).apply_async, "task.py", "apply_async"):
+    if task is not None and not celerys(task.apply_async, "task.py", "apply_async"):
         return f"{type(task).__name__}.apply_async is overridden or wrapped (it may do something per call)"
+    if task is not None and not celerys(task.shadow_name, "task.py", "shadow_name"):
+        return f"{type(task).__name__} has its own shadow_name (it may name each call differently)"
     amqp = app.amqp
     if not celerys(amqp.create_task_message, "amqp.py", "as_task_v2"):
         return f"{type(amqp).__name__} builds task messages with its own code"
@@ -206,10 +224,21 @@ class Template:
             if not self.ignore_result:
                 backend.on_task_call(producer, task_id)
             content: Dict[str, Any] = {}
+            signalled = False
             if self.before is not None and signals.before_task_publish.receivers:
-                # A receiver may change the body: serialise it after the signal, as Celery does.
+                # What kombu would refuse is refused here, before receivers see a send that fails.
+                try:
+                    if publish.get("compression"):
+                        get_encoder(publish["compression"])
+                except Exception as exc:
+                    raise TemplateBroken(repr(exc)) from exc
+                # A receiver may change the body: serialise it after the signal, as Celery does;
+                # and it may edit nested values, which must be this message's own.
+                headers, properties = _fresh_copy(headers), _fresh_copy(properties)
+                body = (body[0], body[1], _fresh_copy(body[2]))
                 fresh = self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.before, fresh)
+                signalled = True
                 signals.before_task_publish.send(sender=named.pop("sender"), **named)
                 payload = body
             else:
@@ -219,7 +248,7 @@ class Template:
                 producer.publish(payload, headers=headers, **publish, **content, **properties)
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 # kombu refused the call itself (a broker error is none of these): nothing went out
-                raise TemplateBroken(repr(exc)) from exc
+                raise TemplateBroken(repr(exc), signalled=signalled) from exc
             if self.after is not None and signals.after_task_publish.receivers:
                 fresh = fresh or self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.after, fresh)

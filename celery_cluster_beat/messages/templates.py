@@ -105,20 +105,22 @@ class Templates:
         """The template, or None and why it cannot be made (None: it failed this time, as the
         send through Celery's path will show)."""
         app = self.app
-        reason = why_not(app, task, options)
-        if reason is not None:
-            return None, reason
         try:
+            reason = why_not(app, task, options)
+            if reason is not None:
+                return None, reason
             captured = celerysend.capture_send(app, task, args, kwargs, options, headers, producer)
             if captured is None:
                 return None, "send_task did not reach send_task_message"
             tpl, reason = build(app, source, captured)
+            if tpl is None:
+                return None, reason
+            tpl.shape = selfcheck.shape_of(app, tpl, options, headers)
+        except celerysend.SignalsUnreadable as exc:
+            return None, str(exc)
         except Exception as exc:  # the same error comes back from Celery's path, per message
             logger.debug("cluster-beat: %s: building its message failed (%r)", name, exc)
             return None, None
-        if tpl is None:
-            return None, reason
-        tpl.shape = selfcheck.shape_of(app, tpl, options, headers)
         if tpl.shape not in self.shapes:
             self.shapes[tpl.shape] = selfcheck.verify(app, tpl, task, args, kwargs, options, headers, producer)
             if self.shapes[tpl.shape] is not None:

@@ -36,6 +36,7 @@ from celery import Celery
 
 from celery_cluster_beat import cron, every
 from celery_cluster_beat.beat import scheduler as scheduler_module
+from celery_cluster_beat.beat import stored as stored_module
 from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.dynamic import StoredSchedules
 from celery_cluster_beat.errors import ConfigError
@@ -286,7 +287,7 @@ def test_a_schedule_beyond_the_horizon_waits_in_sql_and_is_loaded_before_it_is_d
     Fails if start-up loads every stored schedule (a reload of all), or if the window never
     loads it (it would never fire) or loads it too late (a late or missed first occurrence).
     """
-    monkeypatch.setattr(scheduler_module, "HORIZON", HORIZON)
+    monkeypatch.setattr(stored_module, "HORIZON", HORIZON)  # the horizon's module
     app = _app(apps, db_url, broker, {"static": {"task": "t.record", "schedule": _far_schedule()}})
     api = StoredSchedules(app)
     closing.append(api)
@@ -323,7 +324,7 @@ def test_after_it_fires_a_sparse_schedule_is_handed_back_to_sql_with_its_next_oc
     window would load it at the wrong time, and a new leader would resume from a stale
     instant), or if it is not picked up again.
     """
-    monkeypatch.setattr(scheduler_module, "HORIZON", HORIZON)
+    monkeypatch.setattr(stored_module, "HORIZON", HORIZON)  # the horizon's module
     app = _app(apps, db_url, broker, {"static": {"task": "t.record", "schedule": _far_schedule()}})
     api = StoredSchedules(app)
     closing.append(api)

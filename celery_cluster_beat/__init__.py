@@ -18,9 +18,9 @@ limits and the enum base), which every concern may import.
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING
 
+from .base import lazy_attributes
 from .errors import ConfigError, ScheduleError
 
 if TYPE_CHECKING:
@@ -40,13 +40,4 @@ _LAZY = {"cron": ".schedules", "every": ".schedules", "as_schedule": ".schedules
          "Scheduler": ".beat.scheduler", "LedgerTask": ".worker", "current_occurrence": ".worker"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

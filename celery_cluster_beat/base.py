@@ -5,7 +5,10 @@ on, and the base of our string-valued enums. Imports nothing of the package.
 """
 from __future__ import annotations
 
+import sys
 from enum import Enum
+from importlib import import_module
+from typing import Any, Callable, Dict, List, Tuple
 
 #: Longest schedule name: the width of the claim table's name columns.
 MAX_NAME_LENGTH = 255
@@ -33,3 +36,23 @@ class StrEnum(str, Enum):
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """*text* cut to *limit* characters, marked with an ellipsis when cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def lazy_attributes(module: str, table: Dict[str, str], names: List[str]) -> Tuple[Callable[[str], Any],
+                                                                                  Callable[[], List[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` (PEP 562) that import each name of *table*
+    from its submodule on first use and keep it: Celery imports our packages in every ``celery``
+    process, which should pay only for what it uses."""
+    package = sys.modules[module]
+
+    def __getattr__(name: str) -> Any:
+        if name not in table:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(import_module(table[name], module), name)
+        setattr(package, name, value)
+        return value
+
+    def __dir__() -> List[str]:
+        return sorted(set(vars(package)) | set(names))
+
+    return __getattr__, __dir__

@@ -16,9 +16,9 @@ config or beat: the fencing term crosses into the store as a plain integer.
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING
 
+from ..base import lazy_attributes
 from .urls import mask_url
 
 if TYPE_CHECKING:
@@ -33,13 +33,4 @@ _LAZY = {"LeaseEvent": ".lease", "RedisLease": ".lease", "lease_keys": ".lease",
          "redis_client_from_url": ".redisconn"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, __all__)

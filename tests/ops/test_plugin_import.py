@@ -38,8 +38,9 @@ HEAVY = ["sqlalchemy", "celery_cluster_beat.store", "celery_cluster_beat.dynamic
          "http.server", "redis", "celery.schedules"]
 
 #: Everything of ours the plugin may import: the command declarations and what their error
-#: lines need (ConfigError, mask_url), each of them free of third-party imports.
-PLUGIN_OURS = {"celery_cluster_beat", "celery_cluster_beat.errors", "celery_cluster_beat.schedules",
+#: lines need (ConfigError, mask_url), and the lazy loader (base), each free of third-party imports.
+PLUGIN_OURS = {"celery_cluster_beat", "celery_cluster_beat.base", "celery_cluster_beat.errors",
+               "celery_cluster_beat.schedules",
                "celery_cluster_beat.schedules.errors", "celery_cluster_beat.leader", "celery_cluster_beat.leader.urls",
                "celery_cluster_beat.ops", "celery_cluster_beat.ops.cli"}
 

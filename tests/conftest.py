@@ -8,7 +8,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import parallel  # noqa: E402
 import services  # noqa: E402
+
+
+def pytest_configure(config):
+    parallel.configure(config)  # xdist: longest tests first, shared wide fixtures on one worker
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +89,55 @@ def cluster_factory(tmp_path):
     for cluster in made:
         cluster.stop_all()
         cluster.watcher.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> str:
+    """A RabbitMQ that completes an AMQP login (started when down; see services.rabbitmq_url)."""
+    try:
+        return services.rabbitmq_url()
+    except services.ServiceUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def rabbitmq_vhost(rabbitmq_url) -> str:
+    """The broker URL of a RabbitMQ vhost of the test's own, deleted (with everything in it) at the end."""
+    try:
+        cm = services.fresh_vhost(rabbitmq_url)
+        url = cm.__enter__()
+    except services.ServiceUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_nodes(tmp_path_factory):
+    """A real Redis Cluster on loopback (3 masters, 1 replica each; see redis_cluster.py), one per test module."""
+    from redis_cluster import ClusterUnavailable, RedisClusterNodes
+
+    nodes = None
+    try:
+        nodes = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+        nodes.start()
+    except ClusterUnavailable as exc:
+        if nodes is not None:
+            nodes.stop()
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_nodes):
+    """The module's Redis Cluster, whole again (killed nodes restarted, ``cluster_state:ok``) for each test."""
+    try:
+        redis_cluster_nodes.heal()
+    except Exception as exc:
+        pytest.fail(f"the Redis Cluster of this module could not be healed: {exc}", pytrace=False)
+    return redis_cluster_nodes

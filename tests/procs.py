@@ -186,6 +186,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server exited at start: on a port of the OS's choosing, someone else bound it first."""
+
+
 class ThrowawayRedis:
     """A redis-server without persistence on a port of its own: the test may kill and restart it."""
 
@@ -195,21 +199,38 @@ class ThrowawayRedis:
         self.port = _free_port()
         self.workdir = workdir
         self.proc: Optional[subprocess.Popen] = None
+        self.started_once = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        """Start (or restart, on the same port) the server. A free port picked by the OS may be taken
+        by another process before redis-server binds it (parallel workers, suites side by side):
+        the first start then moves to another port."""
+        for attempt in range(5):
+            try:
+                return self._start()
+            except PortTaken:
+                if self.started_once or attempt == 4:
+                    raise
+                self.port = _free_port()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        proc = self.proc
 
         def up() -> bool:
+            if proc.poll() is not None:
+                raise PortTaken(f"redis-server exited ({proc.returncode}) on port {self.port}")
             try:
-                return bool(client.ping())
+                # Ours answering, not another server that holds the port (ours then exits).
+                return client.info("server")["process_id"] == proc.pid
             except redis.RedisError:
                 return False
 
@@ -217,6 +238,7 @@ class ThrowawayRedis:
             wait_for(up, 10, interval=0.02, what=f"redis-server on port {self.port}")
         finally:
             client.close()
+        self.started_once = True
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -386,7 +386,8 @@ def test_live_claimant_paused_past_the_grace_never_publishes_the_rows_taken_over
     pause = grace + 15  # long past the grace: a takeover is sure to happen first on a loaded machine
     arm_dir = tmp_path / "arm"
     names = ["s1", "s2", "s3"]
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every(20)}}" for n in names) + "}"
+    period = 10  # bursts also fall due during the pause: the others send them
+    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url="", schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)
@@ -438,7 +439,7 @@ def test_live_claimant_paused_past_the_grace_never_publishes_the_rows_taken_over
     # Each occurrence exactly once: every schedule at every boundary from the first one seen.
     instants = sorted({m.at for m in msgs})
     first, last = instants[0].timestamp(), instants[-1].timestamp()
-    expected = {(n, at_dt(t)) for n in names for t in range(int(first), int(last) + 1, 20)}
+    expected = {(n, at_dt(t)) for n in names for t in range(int(first), int(last) + 1, period)}
     assert {(m.schedule, m.at) for m in msgs} == expected, "occurrences lost:\n" + timeline(msgs)
     for s in taken:
         [m] = [m for m in msgs if (m.schedule, m.at) == (s, burst)]
@@ -462,8 +463,8 @@ def test_live_claimant_paused_past_the_grace_never_publishes_the_rows_taken_over
 def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else_falls_due(
         tmp_path, redis_url, pg_url, reader, make_cluster):
     """Window: the leader is SIGKILLed right after its claim of the only occurrence (of the only
-    entry, ``every(120)``) commits, before it publishes anything. Nothing else falls due for
-    120 s.
+    entry, ``every(60)``) commits, before it publishes anything. Nothing else falls due for
+    60 s: twice the bound on the resend below.
 
     The standby takes the lease, and its housekeeping (every claim_grace / 3, on its own
     timer) finds the claim stale once the dead node's heartbeat is older than the grace, and
@@ -471,25 +472,26 @@ def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else
     of the kill.
 
     How it fails if the behaviour breaks: with the sweep run only on the way to a due entry,
-    the occurrence would wait for the next one, 120 s later, and the deadline below fails
+    the occurrence would wait for the next one, 60 s later, and the deadline below fails
     (as would the check that nothing else was sent first).
     """
     grace, ttl = 5.0, 2.0
     sweep = grace / 3
+    period = 60  # the bound below is ~30 s: a resend that waits for the next occurrence misses it
     arm_dir = tmp_path / "arm"
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None,
-                    schedule="{'rare': {'task': 't.record', 'schedule': every(120)}}",
+                    schedule=f"{{'rare': {{'task': 't.record', 'schedule': every({period})}}}}",
                     conf=f"{{'cluster_beat_claim_grace': {grace}, 'cluster_beat_lock_ttl': {ttl}}}")
     cluster = make_cluster(app)
     cluster.start(2, env=fault_env(arm_dir, "claim-committed=kill"))
     leader = wait_leader(cluster)
     dead = node_id(leader)
     survivor = next(p for p in cluster.procs if p is not leader)
-    # Nothing is due before the first 120 s boundary: the leader has made no claim yet.
+    # Nothing is due before the first boundary of the period: the leader has made no claim yet.
     arm(arm_dir, "claim-committed", leader)
     armed_at = time.time()
 
-    wait_for_log(leader, f"{FAULT_LINE} claim-committed: kill", next_boundary(120, armed_at) - armed_at + 60)
+    wait_for_log(leader, f"{FAULT_LINE} claim-committed: kill", next_boundary(period, armed_at) - armed_at + 60)
     killed_at = time.time()
     wait_for(lambda: not leader.alive(), 15, what="the leader dying at the fault point")
     assert leader.popen.returncode == -signal.SIGKILL
@@ -505,7 +507,7 @@ def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else
     except AssertionError:
         raise AssertionError(f"not resent within {bound:.0f}s of the kill\n{log_tail(survivor)}")
     print(f"stale claim with nothing due: resent {m.seen - killed_at:.1f}s after the kill "
-          f"({m.seen - occ.timestamp():.1f}s after its instant; bound {bound:.0f}s, next occurrence at +120s)")
+          f"({m.seen - occ.timestamp():.1f}s after its instant; bound {bound:.0f}s, next occurrence at +{period}s)")
     time.sleep(grace + sweep + 2)
     cluster.watcher.poll()
 
@@ -517,7 +519,7 @@ def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else
     from celery_cluster_beat.schedules.occurrence import occurrence_task_id
 
     assert m.task_id == row.task_id == occurrence_task_id("rare", occ)
-    assert m.seen < occ.timestamp() + 60, "resent only around the next occurrence"
+    assert m.seen < occ.timestamp() + period - 15, "resent only around the next occurrence"
     [after] = rows_at(reader, occ)
     assert (after.status, after.node) == ("sent", node_id(survivor))
     assert f"Scheduler: Sending due task rare (t.record) for {occ.isoformat()} (resent)" in survivor.log()
@@ -538,13 +540,14 @@ def test_committed_claim_whose_reply_was_lost_is_sent_at_once_by_its_claimant_no
 
     How it fails if the behaviour breaks: a retried claim that sees its own rows as "claimed
     by another node" sends nothing; the rows wait for the sweep to adopt them after
-    claim_grace (20 s here): the promptness bound and the "(resent)" check fail, and with no
+    claim_grace (15 s here): the promptness bound and the "(resent)" check fail, and with no
     sweep the occurrences are never delivered.
     """
-    grace = 20.0  # large, so "sent promptly" and "adopted by a sweep" are far apart
+    grace = 15.0  # large, so "sent promptly" (< grace / 2) and "adopted by a sweep" are far apart
+    period = 10  # bursts: the first goes out normally, the next one is armed
     arm_dir = tmp_path / "arm"
     names = ["r1", "r2", "r3"]
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every(20)}}" for n in names) + "}"
+    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)
@@ -558,7 +561,7 @@ def test_committed_claim_whose_reply_was_lost_is_sent_at_once_by_its_claimant_no
              what="the first burst complete")
     arm(arm_dir, "claim-committed", beat)
     armed_at = time.time()
-    burst = at_dt(next_boundary(20, armed_at))
+    burst = at_dt(next_boundary(period, armed_at))
     assert burst.timestamp() - armed_at > 2, "armed too close to the burst"
 
     wait_for_log(beat, f"{FAULT_LINE} claim-committed: error", burst.timestamp() - time.time() + 30)
@@ -568,7 +571,7 @@ def test_committed_claim_whose_reply_was_lost_is_sent_at_once_by_its_claimant_no
     delays = [m.seen - burst.timestamp() for m in msgs]
     print(f"claim reply lost: burst delivered {max(delays):.2f}s after its instant (grace {grace:g}s)")
     # Promptly: the back-off after a store error (about 1 s), plus a loaded machine; a sweep
-    # could not adopt the rows before claim_grace (20 s) after the claim.
+    # could not adopt the rows before claim_grace (15 s) after the claim.
     assert max(delays) < grace / 2, timeline(msgs)
     time.sleep(grace + grace / 3 + 3)  # past the point where the sweep would have adopted them
     cluster.watcher.poll()
@@ -616,7 +619,8 @@ def test_claimant_paused_between_its_claim_commit_and_the_reply_never_publishes_
     pause = grace + 15
     arm_dir = tmp_path / "arm"
     names = ["p1", "p2", "p3"]
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every(20)}}" for n in names) + "}"
+    period = 10  # bursts also fall due during the pause: the others send them
+    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url="", schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)

@@ -20,6 +20,7 @@ import json
 import math
 import signal
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import List, Optional
@@ -599,7 +600,7 @@ def test_a_stalled_loop_sends_one_latest_occurrence_and_records_the_rest_missed(
     records the ones in between as ``missed``, and the following ticks go on
     from now, one per second: never a burst of backlog. No tick returns <= 0."""
     db = f"sqlite:///{tmp_path}/claims.sqlite3"
-    queue = "q_stall_" + tmp_path.name[-12:]
+    queue = "q_stall_" + uuid.uuid4().hex[:10]  # tmp_path names repeat across workers and suites
     app = _inprocess_app(db, broker, {"tick": {"task": "t.record", "schedule": every(1)}}, queue=queue)
     holder = App(tmp_path, "unused", queue, broker, None)
     cleanup_queues.append(holder)

@@ -82,4 +82,32 @@ def test_python_versions_agree_in_classifiers_requires_python_and_tox(wheel):
     tox = configparser.ConfigParser()
     tox.read(REPO / "tox.ini")
     envs = [e.strip() for e in tox["tox"]["envlist"].split(",")]
-    assert envs == ["py" + v.replace(".", "") for v in PYTHONS]
+    assert envs == ["py" + v.replace(".", "") for v in PYTHONS] + ["celery" + m.replace(".", "") for m in MINORS]
+
+
+#: The Celery minors of the README's support table, oldest first.
+MINORS = ["5.3", "5.4", "5.5", "5.6", "5.7"]
+
+
+def test_the_declared_celery_range_is_the_tested_range():
+    """setup.cfg's floor, the constraints CI installs per minor, tox, the range ``check`` reports
+    and the README's table name the same minors."""
+    from celery_cluster_beat.messages.support import TESTED
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    requires = [r.strip() for r in cfg["options"]["install_requires"].splitlines() if r.strip()]
+    assert f"celery[redis]>={MINORS[0]}" in requires
+    assert TESTED["celery"] == (tuple(map(int, MINORS[0].split("."))), tuple(map(int, MINORS[-1].split("."))))
+    tox = configparser.ConfigParser()
+    tox.read(REPO / "tox.ini")
+    readme = (REPO / "README.md").read_text()
+    for minor in MINORS:
+        pins = dict(line.split("==") for line in (REPO / ".ci" / "constraints" / f"celery-{minor}.txt")
+                    .read_text().splitlines() if "==" in line)
+        assert pins["celery"].startswith(minor + "."), pins
+        assert f"| {pins['celery']} | {pins['kombu']} | {pins['amqp']} | {pins['redis']} |" in readme, minor
+        env = "testenv:celery" + minor.replace(".", "")
+        assert minor == MINORS[-1] or f"celery-{minor}.txt" in tox[env]["setenv"]
+    matrix = (REPO / ".ci" / "matrix").read_text()
+    assert "minors=(" + " ".join(MINORS[:-1]) + ")" in matrix

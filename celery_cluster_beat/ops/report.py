@@ -35,7 +35,7 @@ from ..leader.urls import mask_url
 from ..schedules.celery_types import app_zone, cron, every
 from ..schedules.tzwall import zone_name
 from ..schedules.text import schedule_text
-from ..store import SCHEMA_VERSION, ClaimRow, ClaimStore
+from ..store import SCHEMA_VERSION, ClaimRow, ClaimStatus, ClaimStore
 from ..store.stored import StoredRow
 
 __all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "UnsentOccurrence", "ScheduleInfo", "Counters", "HistoryRow",
@@ -409,6 +409,16 @@ def schedule_list(app: Any, store: Optional[ClaimStore] = None) -> List[Schedule
         now = st.db_now()
         states = {s.name: s for s in st.schedule_states()}
         latest = st.latest_claims()
+        # An instant's occurrences are claimed up to a moment before it: that row is the next
+        # fire, not the last outcome. Show the one before it (a few schedules at most).
+        last_at: Dict[str, Optional[datetime]] = {}
+        for name in [n for n, r in latest.items() if r.status == ClaimStatus.CLAIMED and r.scheduled_at > now]:
+            before = next((r for r in st.recent_claims(name, limit=3) if r.scheduled_at <= now), None)
+            last_at[name] = before.scheduled_at if before is not None else None
+            if before is None:
+                del latest[name]
+            else:
+                latest[name] = before
         controls = {c.name: c for c in st.controls(active_only=True)}
     out: List[ScheduleInfo] = []
 
@@ -431,7 +441,8 @@ def schedule_list(app: Any, store: Optional[ClaimStore] = None) -> List[Schedule
             paused_at=control.paused_at if paused and control else None,
             paused_by=control.paused_by if paused and control else None,
             run_requested_at=control.run_requested_at if control and control.run_request else None,
-            next_fire=next_fire, last_occurrence=state.last_occurrence if state else None,
+            next_fire=next_fire,
+            last_occurrence=last_at[name] if name in last_at else (state.last_occurrence if state else None),
             last_status=last.status if last else None, last_run_state=last.run_state if last else None,
             last_reason=last.reason if last else None, last_sent_at=state.last_sent_at if state else None,
             last_error=state.last_error if state else None, last_error_at=state.last_error_at if state else None,

@@ -106,3 +106,24 @@ def test_reports_read_what_beat_and_the_worker_wrote(db_url):
             report.history(app, "nope", store=store)
     finally:
         store.close()
+
+
+def test_an_occurrence_claimed_ahead_of_its_instant_is_the_next_fire_not_the_last_outcome(db_url):
+    """Beat claims an instant's occurrences a moment before it: ``list`` keeps showing the last
+    occurrence that happened, not the one about to."""
+    app = _app(db_url)
+    store = ClaimStore(db_url, node_id="beat-1")
+    store.open()
+    try:
+        now = store.db_now().replace(microsecond=0)
+        past, ahead = now - timedelta(seconds=10), now + timedelta(seconds=30)
+        store.claim([Occurrence("tick", past)], term=1)
+        store.mark_sent([Occurrence("tick", past)])
+        store.claim([Occurrence("tick", ahead)], term=1)
+        tick = {s.name: s for s in report.schedule_list(app, store=store)}["tick"]
+        assert (tick.last_occurrence, tick.last_status, tick.outcome) == (past, "sent", "sent")
+        store.claim([Occurrence("nightly", now + timedelta(seconds=30))], term=1)  # nothing before it
+        nightly = {s.name: s for s in report.schedule_list(app, store=store)}["nightly"]
+        assert (nightly.last_occurrence, nightly.last_status) == (None, None)
+    finally:
+        store.close()

@@ -411,14 +411,16 @@ def schedule_list(app: Any, store: Optional[ClaimStore] = None) -> List[Schedule
         latest = st.latest_claims()
         # An instant's occurrences are claimed up to a moment before it: that row is the next
         # fire, not the last outcome. Show the one before it (a few schedules at most).
+        ahead = [n for n, r in latest.items() if r.status == ClaimStatus.CLAIMED and r.scheduled_at > now]
+        before = st.latest_claims_before(ahead, now)
         last_at: Dict[str, Optional[datetime]] = {}
-        for name in [n for n, r in latest.items() if r.status == ClaimStatus.CLAIMED and r.scheduled_at > now]:
-            before = next((r for r in st.recent_claims(name, limit=3) if r.scheduled_at <= now), None)
-            last_at[name] = before.scheduled_at if before is not None else None
-            if before is None:
+        for name in ahead:
+            row = before.get(name)
+            last_at[name] = row.scheduled_at if row is not None else None
+            if row is None:
                 del latest[name]
             else:
-                latest[name] = before
+                latest[name] = row
         controls = {c.name: c for c in st.controls(active_only=True)}
     out: List[ScheduleInfo] = []
 

@@ -127,3 +127,22 @@ class OpsQueries:
         stmt = (sa.select(*(c.c[f] for f in _CLAIM_FIELDS)).where(c.c.schedule == schedule)
                 .order_by(c.c.scheduled_at.desc()).limit(limit))
         return [ClaimRow(*r) for r in self._run(lambda conn: conn.execute(stmt).all(), write=False)]
+
+    @database_errors
+    def latest_claims_before(self, names: Iterable[str], at: datetime) -> Dict[str, ClaimRow]:
+        """Per schedule of *names*, its newest claim row for an occurrence at or before *at*: what
+        happened last, where the newest row is claimed ahead of its instant. One statement per
+        500 names."""
+        wanted = sorted(set(names))
+        c, older = claims_table, claims_table.alias("older")
+        newest = (sa.select(sa.func.max(older.c.scheduled_at))
+                  .where(older.c.schedule == c.c.schedule, older.c.scheduled_at <= at).scalar_subquery())
+        stmt = sa.select(*(c.c[f] for f in _CLAIM_FIELDS)).where(c.c.scheduled_at == newest)
+
+        def read(conn: "Connection") -> Dict[str, ClaimRow]:
+            out: Dict[str, ClaimRow] = {}
+            for part in chunks(wanted, 500):
+                out.update((r.schedule, ClaimRow(*r)) for r in conn.execute(stmt.where(c.c.schedule.in_(list(part)))))
+            return out
+
+        return self._run(read, write=False) if wanted else {}

@@ -19,7 +19,6 @@ claim store sends nothing and steps down.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import signal
 import statistics
@@ -44,14 +43,19 @@ DEFAULT_TTL = 5.0
 from cluster import Cluster, Seen, Watcher, claim_rows, duplicates, node_pid, timeline  # noqa: E402,F401
 
 
-def _sleep_to_half_second() -> None:
-    """Sleep until the next x.5 s of the wall clock: every replica sleeps then (sends happen at x.0)."""
-    time.sleep((0.5 - time.time() % 1.0) % 1.0 or 1.0)
+def _kill_env(tmp_path) -> dict:
+    """Replicas that SIGKILL themselves at the fault point ``after-mark`` once a test arms it for them."""
+    return {"CCB_FAULTS": "after-mark=kill", "CCB_FAULT_ARM_DIR": str(tmp_path)}
 
 
-def _second(t: float) -> datetime:
-    """The whole UTC second at or before epoch time *t*."""
-    return datetime.fromtimestamp(math.floor(t), UTC)
+def _kill_after_its_next_mark(tmp_path, proc) -> float:
+    """SIGKILL *proc* at a named point: right after the rows of a chunk it published are marked
+    sent, so it dies with nothing on its way to the broker and the next second not yet claimed
+    ahead (that claim comes half a second later), however loaded the machine. Returns once it
+    is dead (epoch time)."""
+    (tmp_path / f"after-mark-{proc.pid}").touch()
+    proc.popen.wait(20)
+    return time.time()
 
 
 _LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): [^\]]*\] (.*)$")
@@ -73,15 +77,12 @@ def test_sigkill_of_the_leader_a_standby_sends_within_ttl_plus_one_second_nothin
     ttl = DEFAULT_TTL  # the default cluster_beat_lock_ttl
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=EVERY_SECOND)
     cluster = cluster_factory(app)
-    cluster.start(3)
+    cluster.start(3, env=_kill_env(tmp_path))
     old = cluster.steady_leader()
     old_proc = cluster.proc(old)
 
-    # Half-way between two seconds, while every replica sleeps: the dead leader has sent the
-    # occurrence of the kill's second, and has nothing in flight.
-    _sleep_to_half_second()
-    killed_at = time.time()
-    old_proc.signal(signal.SIGKILL)
+    # Right after it marked a second's occurrence sent: the dead leader has nothing in flight.
+    killed_at = _kill_after_its_next_mark(tmp_path, old_proc)
     first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, ttl + 20,
                                          "a standby's first send after SIGKILL of the leader")
     time.sleep(2.5)  # a few more occurrences: a late duplicate would show up now
@@ -109,14 +110,15 @@ def test_sigkill_of_the_leader_a_standby_sends_within_ttl_plus_one_second_nothin
     print(f"SIGKILL: header gap {header_gap:.0f}s, observed gap {seen_gap:.2f}s, first send {since_kill:.2f}s "
           f"after the kill")
     assert since_kill <= ttl + 1, timeline(msgs)
-    assert last_old.at == _second(killed_at), "set-up: the leader had not sent its occurrence half a second in\n" + \
-        timeline(msgs)
+    rows = {r.scheduled_at: r for r in claim_rows(pg_url)}
+    assert [r for r in rows.values() if r.node == old and r.status != "sent"] == [], \
+        "set-up: the leader died with something claimed and not sent\n" + timeline(msgs)
+    assert last_old.at == max(r.scheduled_at for r in rows.values() if r.node == old)
     assert header_gap <= ttl + 1, timeline(msgs)
     assert seen_gap <= ttl + 1.5, timeline(msgs)
 
     # What fell into the gap is not silently dropped: with catch-up 'latest' every occurrence
     # between the two leaders' sends is recorded as missed in the claim store.
-    rows = {r.scheduled_at: r for r in claim_rows(pg_url)}
     at = last_old.at + SECOND
     while at < first_new.at:
         assert at in rows and rows[at].status == "missed", (at, rows.get(at))
@@ -232,12 +234,10 @@ def test_with_catchup_all_a_sigkill_failover_sends_every_occurrence_exactly_once
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=EVERY_SECOND,
                     conf="{'cluster_beat_catchup': 'all', 'cluster_beat_claim_grace': 3}")
     cluster = cluster_factory(app)
-    cluster.start(3)
+    cluster.start(3, env=_kill_env(tmp_path))
     old = cluster.steady_leader()
 
-    _sleep_to_half_second()  # (while every replica sleeps: nothing in flight)
-    killed_at = time.time()
-    cluster.proc(old).signal(signal.SIGKILL)
+    killed_at = _kill_after_its_next_mark(tmp_path, cluster.proc(old))  # nothing in flight
     cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, DEFAULT_TTL + 20,
                              "a standby's first send after SIGKILL of the leader")
     time.sleep(3)

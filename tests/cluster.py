@@ -193,3 +193,21 @@ def claim_rows(db_url: str, schedule: str = "tick"):
         return store.claims(schedule)
     finally:
         store.close()
+
+
+def kill_env(arm_dir) -> dict:
+    """Replicas that SIGKILL themselves at the fault point ``after-mark`` once a test arms it for them."""
+    return {"CCB_FAULTS": "after-mark=kill", "CCB_FAULT_ARM_DIR": str(arm_dir)}
+
+
+def kill_after_its_next_mark(arm_dir, proc) -> float:
+    """SIGKILL *proc* (started with :func:`kill_env`) at a named point: right after the rows of a
+    chunk it published are marked sent, so it dies with nothing on its way to the broker and the
+    next second not yet claimed ahead (that claim comes half a second later), however loaded the
+    machine; a kill at a wall-clock moment can land between the flush and the mark, and the
+    same-id resend the contract allows there would look like a duplicate. Returns once it is dead
+    (epoch time)."""
+    (Path(arm_dir) / f"after-mark-{proc.pid}").touch()
+    proc.popen.wait(20)
+    return time.time()
+

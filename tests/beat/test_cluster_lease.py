@@ -15,7 +15,7 @@ import time
 import pytest
 
 from celery_cluster_beat.leader.lease import lease_keys
-from cluster import duplicates, timeline
+from cluster import duplicates, kill_after_its_next_mark, kill_env, timeline
 from procs import write_app
 
 pytestmark = pytest.mark.slow
@@ -24,16 +24,12 @@ EVERY_SECOND = "{'tick': {'task': 't.record', 'schedule': every(1)}}"
 TTL = 5.0  # the default cluster_beat_lock_ttl
 
 
-def _sleep_to_half_second() -> None:
-    time.sleep((0.5 - time.time() % 1.0) % 1.0 or 1.0)
-
-
 @pytest.mark.timeout(180)
 def test_beats_on_a_cluster_lease_hand_over_on_sigterm_and_fail_over_on_sigkill_nothing_twice(
         tmp_path, redis_url, pg_url, cluster_factory, redis_cluster):
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_cluster.url, schedule=EVERY_SECOND)
     cluster = cluster_factory(app)
-    cluster.start(3)
+    cluster.start(3, env=kill_env(tmp_path))
     first = cluster.steady_leader()
 
     # SIGTERM: the leader releases the lease (a sharded notice on the slot's master) and a standby
@@ -46,9 +42,7 @@ def test_beats_on_a_cluster_lease_hand_over_on_sigterm_and_fail_over_on_sigkill_
     second = cluster.steady_leader()
 
     # SIGKILL: nobody releases; the last standby takes over when the dead leader's key expires.
-    _sleep_to_half_second()
-    killed_at = time.time()
-    cluster.proc(second).signal(signal.SIGKILL)
+    killed_at = kill_after_its_next_mark(tmp_path, cluster.proc(second))  # nothing in flight
     after_kill = cluster.watcher.wait_for(lambda m: m.node not in (first, second) and m.seen > killed_at, TTL + 20,
                                           "the last standby's first send after SIGKILL of the leader")
     time.sleep(2.5)  # a late duplicate would show up now

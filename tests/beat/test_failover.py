@@ -40,22 +40,8 @@ EVERY_SECOND = "{'tick': {'task': 't.record', 'schedule': every(1)}}"
 DEFAULT_TTL = 5.0
 
 
-from cluster import Cluster, Seen, Watcher, claim_rows, duplicates, node_pid, timeline  # noqa: E402,F401
-
-
-def _kill_env(tmp_path) -> dict:
-    """Replicas that SIGKILL themselves at the fault point ``after-mark`` once a test arms it for them."""
-    return {"CCB_FAULTS": "after-mark=kill", "CCB_FAULT_ARM_DIR": str(tmp_path)}
-
-
-def _kill_after_its_next_mark(tmp_path, proc) -> float:
-    """SIGKILL *proc* at a named point: right after the rows of a chunk it published are marked
-    sent, so it dies with nothing on its way to the broker and the next second not yet claimed
-    ahead (that claim comes half a second later), however loaded the machine. Returns once it
-    is dead (epoch time)."""
-    (tmp_path / f"after-mark-{proc.pid}").touch()
-    proc.popen.wait(20)
-    return time.time()
+from cluster import (Cluster, Seen, Watcher, claim_rows, duplicates, kill_after_its_next_mark,  # noqa: E402,F401
+                     kill_env, node_pid, timeline)
 
 
 _LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): [^\]]*\] (.*)$")
@@ -77,12 +63,12 @@ def test_sigkill_of_the_leader_a_standby_sends_within_ttl_plus_one_second_nothin
     ttl = DEFAULT_TTL  # the default cluster_beat_lock_ttl
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=EVERY_SECOND)
     cluster = cluster_factory(app)
-    cluster.start(3, env=_kill_env(tmp_path))
+    cluster.start(3, env=kill_env(tmp_path))
     old = cluster.steady_leader()
     old_proc = cluster.proc(old)
 
     # Right after it marked a second's occurrence sent: the dead leader has nothing in flight.
-    killed_at = _kill_after_its_next_mark(tmp_path, old_proc)
+    killed_at = kill_after_its_next_mark(tmp_path, old_proc)
     first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, ttl + 20,
                                          "a standby's first send after SIGKILL of the leader")
     time.sleep(2.5)  # a few more occurrences: a late duplicate would show up now
@@ -234,10 +220,10 @@ def test_with_catchup_all_a_sigkill_failover_sends_every_occurrence_exactly_once
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=EVERY_SECOND,
                     conf="{'cluster_beat_catchup': 'all', 'cluster_beat_claim_grace': 3}")
     cluster = cluster_factory(app)
-    cluster.start(3, env=_kill_env(tmp_path))
+    cluster.start(3, env=kill_env(tmp_path))
     old = cluster.steady_leader()
 
-    killed_at = _kill_after_its_next_mark(tmp_path, cluster.proc(old))  # nothing in flight
+    killed_at = kill_after_its_next_mark(tmp_path, cluster.proc(old))  # nothing in flight
     cluster.watcher.wait_for(lambda m: m.node != old and m.seen > killed_at, DEFAULT_TTL + 20,
                              "a standby's first send after SIGKILL of the leader")
     time.sleep(3)

@@ -21,7 +21,7 @@ from datetime import timedelta
 import pytest
 
 from amqp_capture import AmqpWatcher
-from cluster import Cluster, claim_rows, duplicates, timeline
+from cluster import Cluster, claim_rows, duplicates, kill_after_its_next_mark, kill_env, timeline
 from procs import write_app
 
 pytestmark = pytest.mark.slow
@@ -55,13 +55,15 @@ def test_leader_lost_on_rabbitmq_every_occurrence_reaches_the_broker_exactly_onc
     app = write_app(tmp_path, broker=rabbitmq_vhost, db_url=pg_url, redis_url=redis_url, schedule=EVERY_SECOND,
                     conf=f"{{'cluster_beat_catchup': 'all', 'cluster_beat_claim_grace': {GRACE}}}")
     cluster = amqp_cluster_factory(app)
-    cluster.start(3)
+    cluster.start(3, env=kill_env(tmp_path))
     old = cluster.steady_leader(timeout=90)
     old_proc = cluster.proc(old)
 
-    time.sleep((0.5 - time.time() % 1.0) % 1.0 or 1.0)  # half-way between sends: nothing in flight
-    lost_at = time.time()
-    old_proc.signal(how)
+    if how == signal.SIGKILL:  # at a named point: nothing in flight, whatever the load
+        lost_at = kill_after_its_next_mark(tmp_path, old_proc)
+    else:
+        lost_at = time.time()
+        old_proc.signal(how)
     first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > lost_at, DEFAULT_TTL + 20,
                                          "a standby's first send after the leader went")
     # Past the claim grace and one more sweep (every grace / 3) after the takeover, plus room: a

@@ -25,7 +25,6 @@ notices) could meet the bound for at most three of them.
 from __future__ import annotations
 
 import importlib
-import signal
 import time
 from datetime import datetime, timedelta
 from typing import List, Tuple
@@ -34,7 +33,7 @@ import pytest
 
 from celery_cluster_beat import every
 from celery_cluster_beat.dynamic import StoredSchedules
-from cluster import Seen, claim_rows, duplicates, timeline
+from cluster import Seen, claim_rows, duplicates, kill_after_its_next_mark, kill_env, timeline
 from procs import write_app
 
 pytestmark = pytest.mark.slow
@@ -46,11 +45,6 @@ SLACK = 0.6
 TTL = 2.0  # cluster_beat_lock_ttl: a SIGKILLed leader is replaced within about this
 GRACE = 2.0  # cluster_beat_claim_grace: a claim unsent for this long is resent by the sweep
 TICK = "{'tick': {'task': 't.record', 'schedule': every(1)}}"
-
-
-def _sleep_to_half_second() -> None:
-    """Sleep until the next x.5 s of the wall clock: every replica sleeps then (sends happen at x.0)."""
-    time.sleep((0.5 - time.time() % 1.0) % 1.0 or 1.0)
 
 
 def _of(msgs: List[Seen], name: str) -> List[Seen]:
@@ -84,7 +78,7 @@ def test_stored_schedules_added_changed_disabled_enabled_and_removed_under_three
     started = time.monotonic()
     lags: List[Tuple[str, float]] = []  # (what, seconds) for the report
     try:
-        cluster.start(3)
+        cluster.start(3, env=kill_env(tmp_path))
         cluster.steady_leader(timeout=60)
 
         # ---- add: four every(1) schedules, 1.25 s apart; "job" is the one kept on.
@@ -131,9 +125,7 @@ def test_stored_schedules_added_changed_disabled_enabled_and_removed_under_three
 
         # ---- SIGKILL of the leader: the stored schedule goes on from the new leader, as changed
         old = after[-1].node
-        _sleep_to_half_second()
-        killed_at = time.time()
-        cluster.proc(old).signal(signal.SIGKILL)
+        killed_at = kill_after_its_next_mark(tmp_path, cluster.proc(old))  # nothing in flight
         taken = watcher.wait_for(lambda m: m.schedule == "job" and m.node != old and m.seen > killed_at,
                                  TTL + 15, "'job' sent by a new leader after SIGKILL of the old one")
         time.sleep(4.5)

@@ -16,12 +16,26 @@ def pytest_configure(config):
     parallel.configure(config)  # xdist: longest tests first, shared wide fixtures on one worker
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> str:
+def _or_fail(get, *args):
+    """*get(*args)*, or the test fails saying which service to start (never a skip)."""
     try:
-        return services.redis_url()
+        return get(*args)
     except services.ServiceUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+def _held(cm):
+    """Yield what the context manager *cm* gives (a fresh database, a vhost), or fail as above."""
+    value = _or_fail(cm.__enter__)
+    try:
+        yield value
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return _or_fail(services.redis_url)
 
 
 @pytest.fixture
@@ -34,15 +48,7 @@ def _db(kind: str, tmp_path):
     if kind == "sqlite":
         yield f"sqlite:///{tmp_path}/claims.sqlite3"
         return
-    try:
-        cm = services.fresh_database(kind)
-        url = cm.__enter__()
-    except services.ServiceUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield url
-    finally:
-        cm.__exit__(None, None, None)
+    yield from _held(services.fresh_database(kind))
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mysql"])
@@ -94,24 +100,13 @@ def cluster_factory(tmp_path):
 @pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
     """A RabbitMQ that completes an AMQP login (started when down; see services.rabbitmq_url)."""
-    try:
-        return services.rabbitmq_url()
-    except services.ServiceUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return _or_fail(services.rabbitmq_url)
 
 
 @pytest.fixture
 def rabbitmq_vhost(rabbitmq_url) -> str:
     """The broker URL of a RabbitMQ vhost of the test's own, deleted (with everything in it) at the end."""
-    try:
-        cm = services.fresh_vhost(rabbitmq_url)
-        url = cm.__enter__()
-    except services.ServiceUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield url
-    finally:
-        cm.__exit__(None, None, None)
+    yield from _held(services.fresh_vhost(rabbitmq_url))
 
 
 @pytest.fixture(scope="module")

@@ -108,12 +108,16 @@ class OpsQueries:
             c.join(t, sa.and_(t.c.name == c.c.schedule, t.c.last_occurrence == c.c.scheduled_at)))
         if names is None:
             return {r.schedule: ClaimRow(*r) for r in self._run(lambda conn: conn.execute(stmt).all(), write=False)}
+        return self._by_schedule(stmt, t.c.name, names)
+
+    def _by_schedule(self, stmt: Any, column: Any, names: Iterable[str]) -> Dict[str, ClaimRow]:
+        """Claim rows of *stmt* by schedule, for *names* (500 to a statement: bounded IN lists)."""
         wanted = sorted(set(names))
 
         def read(conn: "Connection") -> Dict[str, ClaimRow]:
             out: Dict[str, ClaimRow] = {}
             for part in chunks(wanted, 500):
-                out.update((r.schedule, ClaimRow(*r)) for r in conn.execute(stmt.where(t.c.name.in_(list(part)))))
+                out.update((r.schedule, ClaimRow(*r)) for r in conn.execute(stmt.where(column.in_(list(part)))))
             return out
 
         return self._run(read, write=False) if wanted else {}
@@ -133,16 +137,8 @@ class OpsQueries:
         """Per schedule of *names*, its newest claim row for an occurrence at or before *at*: what
         happened last, where the newest row is claimed ahead of its instant. One statement per
         500 names."""
-        wanted = sorted(set(names))
         c, older = claims_table, claims_table.alias("older")
         newest = (sa.select(sa.func.max(older.c.scheduled_at))
                   .where(older.c.schedule == c.c.schedule, older.c.scheduled_at <= at).scalar_subquery())
         stmt = sa.select(*(c.c[f] for f in _CLAIM_FIELDS)).where(c.c.scheduled_at == newest)
-
-        def read(conn: "Connection") -> Dict[str, ClaimRow]:
-            out: Dict[str, ClaimRow] = {}
-            for part in chunks(wanted, 500):
-                out.update((r.schedule, ClaimRow(*r)) for r in conn.execute(stmt.where(c.c.schedule.in_(list(part)))))
-            return out
-
-        return self._run(read, write=False) if wanted else {}
+        return self._by_schedule(stmt, c.c.schedule, names)

@@ -47,12 +47,11 @@ from celery.app.base import Celery
 from celery.app.routes import MapRoute
 from celery.app.task import Task
 from celery.utils.time import maybe_make_aware
-from kombu import Exchange
 from kombu.compression import get_encoder
 from kombu.serialization import dumps
 
 from . import celerysend
-from .celerysend import PLACEHOLDER, capture_send, celerys, record_send
+from .celerysend import PLACEHOLDER, celerys, record_send
 
 logger = logging.getLogger("celery_cluster_beat.publisher")
 
@@ -64,14 +63,7 @@ except ImportError:  # older Celery: plain addition
 
 
 class TemplateBroken(Exception):
-    """Replaying a template failed before anything was sent: Celery's own path can take it.
-
-    *signalled*: ``before_task_publish`` already fired for this message (a resend now would
-    fire it twice for one send; the next attempt should take Celery's path instead)."""
-
-    def __init__(self, text: str, *, signalled: bool = False) -> None:
-        super().__init__(text)
-        self.signalled = signalled
+    """Replaying a template failed before anything was sent: Celery's own path can take it."""
 
 
 def _fresh_copy(value: Dict[str, Any]) -> Dict[str, Any]:
@@ -224,7 +216,6 @@ class Template:
             if not self.ignore_result:
                 backend.on_task_call(producer, task_id)
             content: Dict[str, Any] = {}
-            signalled = False
             if self.before is not None and signals.before_task_publish.receivers:
                 # What kombu would refuse is refused here, before receivers see a send that fails.
                 try:
@@ -238,7 +229,6 @@ class Template:
                 body = (body[0], body[1], _fresh_copy(body[2]))
                 fresh = self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.before, fresh)
-                signalled = True
                 signals.before_task_publish.send(sender=named.pop("sender"), **named)
                 payload = body
             else:
@@ -248,7 +238,7 @@ class Template:
                 producer.publish(payload, headers=headers, **publish, **content, **properties)
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 # kombu refused the call itself (a broker error is none of these): nothing went out
-                raise TemplateBroken(repr(exc), signalled=signalled) from exc
+                raise TemplateBroken(repr(exc)) from exc
             if self.after is not None and signals.after_task_publish.receivers:
                 fresh = fresh or self._fresh(body, headers, properties, sent_event, publish)
                 named = _bind(self.after, fresh)

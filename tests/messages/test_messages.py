@@ -154,31 +154,39 @@ def occurrence(name: str = "nightly") -> Occurrence:
     return Occurrence(name, AT)
 
 
-@pytest.mark.parametrize("case", ["plain", "kwargs-and-headers", "exec-options", "routed-queue", "ignore-result",
-                                  "compression", "max-run-time-header", "catchup-attempt"])
-def test_a_stamped_message_is_byte_for_byte_what_apply_async_sends(redis_url, queue, client, TASK, recorder, case):
-    app = make_app(redis_url, queue)
+#: The shapes of entry every broker's equality test sends both ways.
+CASES = ["plain", "kwargs-and-headers", "exec-options", "routed-queue", "ignore-result", "compression",
+         "max-run-time-header", "catchup-attempt"]
+
+
+def case_dispatch(app: Celery, queue: str, task: str, case: str):
+    """Register *case*'s task on *app* (and its route); the dispatch and the queue it lands on."""
     other = queue + "-routed"
     if case == "routed-queue":
-        app.conf.task_routes = {TASK: {"queue": other}}
+        app.conf.task_routes = {task: {"queue": other}}
 
-    @app.task(name=TASK, time_limit=300 if case == "exec-options" else None,
+    @app.task(name=task, time_limit=300 if case == "exec-options" else None,
               soft_time_limit=200 if case == "exec-options" else None,
               ignore_result=case == "ignore-result", priority=3 if case == "exec-options" else None)
     def report(*args, **kwargs):
         return None
 
-    options = {}
-    kwargs = {}
+    options, kwargs = {}, {}
     if case == "kwargs-and-headers":
-        kwargs = {"region": "eu", "limit": 10, "tags": ["a", "b"]}
-        options = {"headers": {"tenant": "acme"}, "priority": 5}
+        kwargs = {"region": "eu", "limit": 10, "tags": ["a", "b"], "ratio": 0.5, "none": None}
+        options = {"headers": {"tenant": "acme", "flag": True, "n": 7}, "priority": 5}
     if case == "compression":
         options = {"compression": "zlib"}
-    d = Dispatch(occurrence(), TASK, (1, "two"), kwargs, options,
+    d = Dispatch(occurrence(), task, (1, "two"), kwargs, options,
                  max_run_time=90.0 if case == "max-run-time-header" else None,
                  catchup=case == "catchup-attempt", attempt=3 if case == "catchup-attempt" else 1)
-    target = other if case == "routed-queue" else queue
+    return d, other if case == "routed-queue" else queue
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_stamped_message_is_byte_for_byte_what_apply_async_sends(redis_url, queue, client, TASK, recorder, case):
+    app = make_app(redis_url, queue)
+    d, target = case_dispatch(app, queue, TASK, case)
     ours, celery_sent, our_calls, celery_calls = both_ways(app, client, target, d, recorder)
     assert without_tag(ours) == without_tag(celery_sent)
     assert our_calls == celery_calls and [c[0] for c in our_calls] == ["before", "after"]

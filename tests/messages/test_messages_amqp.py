@@ -28,7 +28,8 @@ import services
 from amqp_capture import Capture
 from celery_cluster_beat.beat.publisher import Dispatch, Publisher
 from celery_cluster_beat.schedules.occurrence import Occurrence
-from test_messages import AT, FROZEN, TASK, both_ways, occurrence, recorder  # noqa: F401 (fixtures)
+from test_messages import (AT, CASES, FROZEN, TASK, both_ways, case_dispatch, occurrence,  # noqa: F401
+                           recorder)
 
 #: Celery 5.5+ reroutes an eta on quorum queues through kombu's native delayed delivery.
 NATIVE_DELAYED = importlib.util.find_spec("celery.utils.quorum_queues") is not None
@@ -84,31 +85,11 @@ def assert_same(ours, celery_sent) -> None:
     assert ours == celery_sent, "our message differs from Celery's:\n" + ours.diff(celery_sent)
 
 
-@pytest.mark.parametrize("case", ["plain", "kwargs-and-headers", "exec-options", "routed-queue", "ignore-result",
-                                  "compression", "max-run-time-header", "catchup-attempt"])
+@pytest.mark.parametrize("case", CASES)
 def test_a_stamped_message_on_rabbitmq_is_what_apply_async_publishes(module_vhost, queue, capture, opened, TASK,
                                                                       recorder, case):
     app = amqp_app(module_vhost, queue, opened)
-    other = queue + "-routed"
-    if case == "routed-queue":
-        app.conf.task_routes = {TASK: {"queue": other}}
-
-    @app.task(name=TASK, time_limit=300 if case == "exec-options" else None,
-              soft_time_limit=200 if case == "exec-options" else None,
-              ignore_result=case == "ignore-result", priority=3 if case == "exec-options" else None)
-    def report(*args, **kwargs):
-        return None
-
-    options, kwargs = {}, {}
-    if case == "kwargs-and-headers":
-        kwargs = {"region": "eu", "limit": 10, "tags": ["a", "b"], "ratio": 0.5, "none": None}
-        options = {"headers": {"tenant": "acme", "flag": True, "n": 7}, "priority": 5}
-    if case == "compression":
-        options = {"compression": "zlib"}
-    d = Dispatch(occurrence(), TASK, (1, "two"), kwargs, options,
-                 max_run_time=90.0 if case == "max-run-time-header" else None,
-                 catchup=case == "catchup-attempt", attempt=3 if case == "catchup-attempt" else 1)
-    target = other if case == "routed-queue" else queue
+    d, target = case_dispatch(app, queue, TASK, case)
     ours, celery_sent, our_calls, celery_calls = both_ways(app, capture, target, d, recorder, drain=drain)
     assert_same(ours, celery_sent)
     assert our_calls == celery_calls and [c[0] for c in our_calls] == ["before", "after"]

@@ -206,9 +206,12 @@ def test_reports_created_at_run_time_fire_at_their_times(rig):
 
     wait_for(lambda: all(e.id in told() for e in done), RUN, what="report.ready notifications")
     assert all(told().count(e.id) == 1 for e in done)
-    # The ledger recorded each run.
-    states = {c.scheduled_at.replace(tzinfo=None): c.run_state for c in r.claims(fast)}
-    assert all(states[e.scheduled_at] == "succeeded" for e in done)
+    # The ledger recorded each run (it writes the outcome once the task has returned).
+    def states() -> dict:
+        return {c.scheduled_at.replace(tzinfo=None): c.run_state for c in r.claims(fast)}
+
+    wait_for(lambda: all(states().get(e.scheduled_at) == "succeeded" for e in done), RUN,
+             what="the ledger's succeeded rows")
 
 
 @pytest.mark.slow
@@ -229,6 +232,8 @@ def test_revoked_permission_fails_the_next_run_with_a_notification_and_is_never_
     assert first.reason == "permission revoked: alice may no longer export customers"
     assert first.path is None and first.rows is None
     assert not (r.settings.output_dir / f"report-{report}" / f"{first.scheduled_at:%Y%m%dT%H%M%S}Z.csv").exists()
+    wait_for(lambda: first.id in [n.export_id for n in r.notifications(report, "report.failed")], RUN,
+             what="the report.failed notification")
     told = r.notifications(report, "report.failed")
     assert told and told[0].owner == "alice" and "permission revoked" in told[0].message
     assert told[0].export_id == first.id
@@ -240,7 +245,12 @@ def test_revoked_permission_fails_the_next_run_with_a_notification_and_is_never_
     for e in failed:
         assert_on_grid(e.scheduled_at, 3)
         assert r.deliveries(e.task_id) == 1, e.task_id
-    claims = {c.scheduled_at.replace(tzinfo=None): c for c in r.claims(report)}
+    def ledger() -> dict:
+        return {c.scheduled_at.replace(tzinfo=None): c for c in r.claims(report)}
+
+    wait_for(lambda: all(getattr(ledger().get(e.scheduled_at), "run_state", None) == "failed" for e in failed),
+             RUN, what="the ledger's failed rows")  # written once the task has raised
+    claims = ledger()
     for e in failed:
         assert claims[e.scheduled_at].run_state == "failed"
         assert "permission revoked" in claims[e.scheduled_at].run_error
@@ -251,7 +261,8 @@ def test_revoked_permission_fails_the_next_run_with_a_notification_and_is_never_
     r.service.grant("alice", "customers")
     (back,) = r.wait_exports(report, 1, RUN, after=granted_at)[-1:]
     assert back.status == "succeeded" and back.rows == 6
-    assert r.notifications(report, "report.ready")
+    wait_for(lambda: back.id in [n.export_id for n in r.notifications(report, "report.ready")], RUN,
+             what="the report.ready notification")
 
 
 @pytest.mark.slow
@@ -340,6 +351,9 @@ def test_a_duplicate_delivery_gives_one_snapshot(rig, redis_url):
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(f"{at:%Y%m%dT%H%M%S}")) == [
         f"{at:%Y%m%dT%H%M%S}Z.csv"]
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    # The notification commits just after the export's outcome: wait for it, then count.
+    wait_for(lambda: mine[0].id in [n.export_id for n in r.notifications(report, "report.ready")], RUN,
+             what="the report.ready notification")
     assert [n.export_id for n in r.notifications(report, "report.ready")].count(mine[0].id) == 1
     log = r.worker.log()
     assert f"duplicate delivery of report:{report}" in log
@@ -369,7 +383,13 @@ def test_a_failed_notification_neither_fails_nor_reruns_the_run(rig):
     after = [e for e in runs if e.scheduled_at > broken_at + timedelta(seconds=1)]
     assert all(e.status == "succeeded" and Path(e.path).exists() for e in after)
     assert r.exports(report, "failed") == []
-    claims = {c.scheduled_at.replace(tzinfo=None): c for c in r.claims(report)}
+
+    def claims() -> dict:
+        return {c.scheduled_at.replace(tzinfo=None): c for c in r.claims(report)}
+
+    wait_for(lambda: all(getattr(claims().get(e.scheduled_at), "run_state", None) == "succeeded" for e in after),
+             RUN, what="the ledger's succeeded rows")
+    claims = claims()
     for e in after:
         assert claims[e.scheduled_at].run_state == "succeeded"
         assert r.deliveries(e.task_id) == 1

@@ -30,17 +30,21 @@ class RunOutcome(StrEnum):
 
     STARTED = "started"  # first run of the occurrence
     CONTINUED = "continued"  # a Celery retry (same task id) took the run over
-    RERUN = "rerun"  # redelivered after the previous start passed max_run_time (acks_late)
+    RERUN = "rerun"  # redelivered after the process running it was known gone (acks_late)
     DUPLICATE_SKIPPED = "duplicate-skipped"  # another delivery holds or held the run: body not run
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     RETRIED = "retried"  # the body called self.retry(): the retry continues the occurrence
+    #: The pool child running it died (killed, a hard time limit, cancelled) and Celery requeued the
+    #: message: its redelivery runs it again. Sent by the worker's main process. (Without a requeue
+    #: the loss is FAILED, with the reason in ``error``.)
+    LOST = "lost"
     LEDGER_UNAVAILABLE = "ledger-unavailable"  # the claim database did not answer: body not run (see LedgerTask)
 
 
 #: The worker-side ledger handled one delivery: ``outcome`` (a :class:`RunOutcome`), ``schedule``,
 #: ``scheduled_at`` (aware UTC), ``task_id``, ``worker`` (hostname), ``runtime`` (seconds, on
-#: succeeded / failed / retried, else None), ``error`` (class and first line, or None).
+#: succeeded / failed / retried / lost, else None), ``error`` (class and first line, or None).
 run_handled = Signal(
     name="cluster_beat_run",
     providing_args={"outcome", "schedule", "scheduled_at", "task_id", "worker", "runtime", "error"},

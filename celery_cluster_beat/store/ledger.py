@@ -6,9 +6,11 @@ started" to ``running`` (:meth:`LedgerQueries.start_run`); exactly one delivery
 of the occurrence can make that move, so a second delivery (a same-id resend, a
 broker redelivery, a duplicate from a producer) is recognised and not run. When
 the body ends, the holder of the run records how it went
-(:meth:`LedgerQueries.finish_run`). The claim rows thus become the run history,
-pruned like any claim row; the overlap guard reads them back in one SELECT
-(:meth:`LedgerQueries.run_states`).
+(:meth:`LedgerQueries.finish_run`); when the process running it dies, its worker's
+main process records the end instead (:meth:`LedgerQueries.end_lost_run`). The claim
+rows thus become the run history, pruned like any claim row; the overlap guard reads
+them back in one SELECT (:meth:`LedgerQueries.run_states`), where a ``running`` row
+whose process is known gone reads as ``failed`` (over).
 
 Each decision is one conditional UPDATE in a short transaction, so it is exact
 under concurrency on every server: PostgreSQL and MySQL/MariaDB (READ
@@ -19,17 +21,26 @@ IMMEDIATE). Rules, in the order they are tried:
 * **started**: the row has no run yet (``run_state`` NULL), whatever its claim
   status: a message can reach a worker before beat marks its row ``sent``.
 * **continued**: a Celery retry (``retries`` > 0, same task id) takes the run over
-  from an earlier attempt, ``retried`` or still ``running``: the retry message is
-  published before the attempt that raised ``Retry`` records it. Which attempt holds
-  the run is the zero-padded prefix of ``run_token``, so a duplicate of one retry
-  message still finds its own attempt there and is not run twice.
-* **rerun**: with ``max_run_time`` given (the task acknowledges late, so a worker that
-  died mid-run has its message redelivered), a ``running`` row whose start is older
-  than ``max_run_time`` by the database's clock is taken over and run again.
-* otherwise **duplicate**: not run; the row's ``duplicates`` counter goes up. When re-runs
-  are allowed and the run is still ``running``, the answer says how long until it may be
-  re-run (``rerun_in``), so an acks_late worker can check again then instead of dropping
-  what may be the only copy of a message whose worker died.
+  from an earlier attempt, ``retried``, ``lost`` or still ``running``: the retry message is
+  published before the attempt that raised ``Retry`` records it. The row keeps the
+  attempt holding the run (``run_attempt``, any integer), so a duplicate of one retry
+  message finds its own attempt there and is not run twice, and a late copy of an
+  earlier attempt is a duplicate.
+* **rerun** (only when the caller allows take-overs: the task acknowledges late, so a
+  worker that died mid-run has its message redelivered): a ``lost`` row (its worker's
+  main process saw the pool child die and Celery requeued the message), or a ``running``
+  row whose process (``run_process``) is known gone by the database's clock (see
+  :mod:`.liveness`: heartbeat expired or recorded gone) is taken over, by a
+  compare-and-set on the holder's token, so one delivery re-runs it. How long the run has
+  been going never matters: a live run is never started twice. A row written without a
+  process (an older release) is never judged.
+* otherwise **duplicate**: not run; the row's ``duplicates`` counter goes up. When the
+  run is ``running`` under a live process and take-overs are allowed, the delivery may
+  take the row's one "check later" mark (``check_token``, ``check_at``; atomically): when
+  it is the pending copy itself (its ``cluster_beat_check`` header matches), or no copy is
+  pending (none, or one a minute overdue, taken as lost). It then publishes one copy of
+  the message due when the process could be judged gone (``check_in``), so a run whose
+  worker dies after the broker's last copy was acknowledged is still re-run.
 * **no row** (pruned, never claimed, or beat writes another store): the worker inserts
   the row itself (status ``sent``, reason saying so) with its run already started, by an
   insert-if-absent, so exactly one delivery still wins; a row beat inserts meanwhile
@@ -49,11 +60,13 @@ from ..schedules.instants import require_aware
 from ..schedules.occurrence import occurrence_task_id
 from .dialects.base import chunks, new_token
 from .errors import database_errors
-from .schema import RUN_ERROR_LENGTH, TASK_ID_LENGTH, ClaimStatus, RunState, claims_table
+from .liveness import WorkerLiveness, alive_until
+from .schema import RUN_ERROR_LENGTH, TASK_ID_LENGTH, ClaimStatus, RunState, claims_table, workers_table
 
-#: Width of the attempt number that prefixes a run token (see the module docstring).
-_ATTEMPT_DIGITS = 4
-_MAX_ATTEMPT = 10 ** _ATTEMPT_DIGITS - 1
+#: Run states a Celery retry (a later attempt, same task id) continues.
+_CONTINUABLE = (RunState.RETRIED.value, RunState.RUNNING.value, RunState.LOST.value)
+#: A "check later" copy this much past its due time counts as lost: another may be sent.
+CHECK_LOST_AFTER = timedelta(seconds=60)
 #: Keys per SELECT of :meth:`LedgerQueries.run_states`.
 _READ_CHUNK = 200
 #: The reason written on a claim row the ledger had to create.
@@ -65,7 +78,7 @@ class StartOutcome(StrEnum):
 
     STARTED = "started"  # first run of the occurrence
     CONTINUED = "continued"  # a Celery retry of the run (same task id, retries > 0)
-    RERUN = "rerun"  # redelivery after the previous start passed max_run_time (acks_late)
+    RERUN = "rerun"  # redelivery of a run whose process is known gone (acks_late)
     DUPLICATE = "duplicate"  # another delivery holds or held the run: do not run
 
 
@@ -82,9 +95,12 @@ class RunStart:
     found_worker: Optional[str] = None
     #: True when no claim row existed and the ledger created it.
     inserted: bool = False
-    #: For a duplicate that found the run ``running`` while re-runs are allowed (*max_run_time*
-    #: given): seconds until its start is older than max_run_time, by the database's clock.
-    rerun_in: Optional[float] = None
+    #: For a duplicate that found the run ``running`` under a live process while take-overs are
+    #: allowed, and no "check later" copy pending: this delivery publishes the one copy, with
+    #: this id (header ``cluster_beat_check``), due in *check_in* seconds, when the process
+    #: could be judged gone by the database's clock. None otherwise.
+    check_token: Optional[str] = None
+    check_in: Optional[float] = None
 
     @property
     def runs(self) -> bool:
@@ -102,13 +118,8 @@ class LedgerState:
     sent_at: Optional[datetime]
     started_at: Optional[datetime]
     finished_at: Optional[datetime]
-
-
-def attempt_token(retries: int) -> str:
-    """A fresh run token for attempt *retries* (0 for the first run): the attempt, zero-padded,
-    then random hex, 32 characters in all."""
-    attempt = min(max(int(retries), 0), _MAX_ATTEMPT)
-    return f"{attempt:0{_ATTEMPT_DIGITS}d}" + new_token()[: 32 - _ATTEMPT_DIGITS]
+    #: The row says ``running`` but its process is known gone: reported as ``failed`` (over).
+    worker_gone: bool = False
 
 
 def error_summary(exc: BaseException) -> str:
@@ -118,8 +129,8 @@ def error_summary(exc: BaseException) -> str:
     return clip(text, RUN_ERROR_LENGTH)
 
 
-class LedgerQueries:
-    """The ledger's statements; mixed into :class:`~.claims.ClaimStore`."""
+class LedgerQueries(WorkerLiveness):
+    """The ledger's statements (and the worker heartbeats they judge by); mixed into :class:`~.claims.ClaimStore`."""
 
     # ClaimStore provides _dialect, url_masked, _run(work, write=...) and _now(conn).
     _dialect: Any
@@ -135,13 +146,21 @@ class LedgerQueries:
         worker: str,
         pid: int,
         retries: int = 0,
-        max_run_time: Optional[float] = None,
+        process: Optional[str] = None,
+        grace: Optional[float] = None,
+        takeover: bool = False,
+        check: Optional[str] = None,
     ) -> RunStart:
         """Try to start the run of occurrence (*schedule*, *scheduled_at*) for this delivery.
 
         One short transaction; exactly one of several concurrent deliveries of one
-        occurrence gets STARTED (see the module docstring for CONTINUED, RERUN and the
-        row-less case). *max_run_time* None means a running row is never taken over.
+        occurrence gets STARTED (see the module docstring for CONTINUED, RERUN, the
+        "check later" copy and the row-less case). *process* is the id of the process that
+        will run the body (its heartbeat row decides whether the run is alive); *takeover*
+        (the task acknowledges late) allows a run whose process is gone to be run again;
+        *check* is the id of the "check later" copy this delivery is, if it is one. With
+        *grace*, the process's heartbeat is refreshed in the same transaction (so a run never
+        names a process the database has not heard of).
         Raises StoreUnavailable when the database cannot answer, ValueError for a name
         or instant the claim table cannot hold.
         """
@@ -152,7 +171,9 @@ class LedgerQueries:
         if not task_id or len(task_id) > TASK_ID_LENGTH:
             task_id = occurrence_task_id(schedule, at)
         worker = clip(worker or "?", MAX_NODE_ID_LENGTH)
-        token = attempt_token(retries)
+        process = clip(process, MAX_NODE_ID_LENGTH) if process else None
+        attempt = max(int(retries), 0)
+        token = new_token()[:32]
         c = claims_table
         key = (c.c.schedule == schedule, c.c.scheduled_at == at)
 
@@ -160,53 +181,84 @@ class LedgerQueries:
             result = conn.execute(
                 sa.update(c).where(*key, *cond).values(
                     run_state=RunState.RUNNING.value, run_token=token, worker=worker, worker_pid=int(pid),
-                    started_at=now, finished_at=None, runtime=None, run_error=None,
+                    run_process=process, run_attempt=attempt, started_at=now, finished_at=None, runtime=None,
+                    run_error=None, check_token=None, check_at=None,
                 )
             )
             return result.rowcount == 1
 
         def work(conn: Connection) -> RunStart:
+            if process is not None and grace is not None:
+                self._beat(conn, process, process.rsplit(":", 2)[0], pid, grace)
             now = self._now(conn)
             inserted = False
             for _ in range(3):
                 if take(conn, now, c.c.run_state.is_(None)):
                     return RunStart(StartOutcome.STARTED, token, inserted=inserted)
-                if retries > 0 and take(
+                if attempt > 0 and take(
                     conn, now,
-                    c.c.run_state.in_([RunState.RETRIED.value, RunState.RUNNING.value]),
-                    sa.or_(c.c.run_token.is_(None), c.c.run_token < token[:_ATTEMPT_DIGITS]),
+                    c.c.run_state.in_(_CONTINUABLE),
+                    sa.or_(c.c.run_attempt.is_(None), c.c.run_attempt < attempt),
                 ):
                     return RunStart(StartOutcome.CONTINUED, token)
-                if max_run_time is not None and take(
-                    conn, now,
-                    c.c.run_state == RunState.RUNNING.value,
-                    c.c.started_at < now - timedelta(seconds=float(max_run_time)),
-                ):
-                    return RunStart(StartOutcome.RERUN, token)
-                row = conn.execute(
-                    sa.select(c.c.run_state, c.c.run_token, c.c.worker, c.c.started_at).where(*key)).first()
-                if row is not None:
-                    if row.run_token == token:  # the row this call inserted just now
-                        return RunStart(StartOutcome.STARTED, token, inserted=True)
-                    conn.execute(sa.update(c).where(*key).values(duplicates=sa.func.coalesce(c.c.duplicates, 0) + 1))
-                    rerun_in = None
-                    if max_run_time is not None and row.run_state == RunState.RUNNING.value and row.started_at:
-                        age = (now - row.started_at).total_seconds()
-                        rerun_in = max(0.0, float(max_run_time) - age)
-                    return RunStart(StartOutcome.DUPLICATE, None, found_state=row.run_state,
-                                    found_worker=row.worker, rerun_in=rerun_in)
-                # No row: create it with the run started. Another delivery (or beat's claim)
-                # inserting the same key meanwhile wins the insert; the next round decides.
-                self._dialect.insert_if_absent(conn, c, [{
-                    "schedule": schedule, "scheduled_at": at, "claimed_at": now, "node": worker, "term": None,
-                    "task_id": task_id, "status": ClaimStatus.SENT.value, "reason": NO_CLAIM_REASON,
-                    "attempts": 1, "sent_at": now, "run_state": RunState.RUNNING.value, "run_token": token,
-                    "worker": worker, "worker_pid": int(pid), "started_at": now,
-                }], ["schedule", "scheduled_at"])
-                inserted = True
+                row = conn.execute(sa.select(
+                    c.c.run_state, c.c.run_token, c.c.run_attempt, c.c.run_process, c.c.worker, c.c.check_token,
+                    c.c.check_at).where(*key)).first()
+                if row is None:
+                    # No row: create it with the run started. Another delivery (or beat's claim)
+                    # inserting the same key meanwhile wins the insert; the next round decides.
+                    self._dialect.insert_if_absent(conn, c, [{
+                        "schedule": schedule, "scheduled_at": at, "claimed_at": now, "node": worker, "term": None,
+                        "task_id": task_id, "status": ClaimStatus.SENT.value, "reason": NO_CLAIM_REASON,
+                        "attempts": 1, "sent_at": now, "run_state": RunState.RUNNING.value, "run_token": token,
+                        "worker": worker, "worker_pid": int(pid), "run_process": process, "run_attempt": attempt,
+                        "started_at": now,
+                    }], ["schedule", "scheduled_at"])
+                    inserted = True
+                    continue
+                if row.run_token == token:  # the row this call inserted just now
+                    return RunStart(StartOutcome.STARTED, token, inserted=True)
+                if row.run_state is None:  # released meanwhile: the next round starts it
+                    continue
+                stale = row.run_attempt is not None and row.run_attempt > attempt  # an earlier attempt's copy
+                # A running row names its process; one written without (an older release) is never
+                # judged: it is neither taken over nor checked on.
+                judged = row.run_state == RunState.RUNNING.value and row.run_process is not None
+                alive = alive_until(conn, row.run_process, now) if judged else None
+                if takeover and not stale and (row.run_state == RunState.LOST.value or (judged and alive is None)):
+                    # Compare-and-set on the holder's token: of concurrent deliveries deciding the
+                    # same dead run, one re-runs it; the others find the new holder next round.
+                    if take(conn, now, c.c.run_token == row.run_token, c.c.run_state == row.run_state):
+                        return RunStart(StartOutcome.RERUN, token)
+                    continue
+                conn.execute(sa.update(c).where(*key).values(duplicates=sa.func.coalesce(c.c.duplicates, 0) + 1))
+                check_token, check_in = None, None
+                if takeover and alive is not None:
+                    check_token, check_in = self._pending_check(conn, key, row, check, alive, now)
+                return RunStart(StartOutcome.DUPLICATE, None, found_state=row.run_state, found_worker=row.worker,
+                                check_token=check_token, check_in=check_in)
             raise RuntimeError("claim row kept changing while a run started")  # pragma: no cover
 
         return self._run(work)
+
+    def _pending_check(self, conn: Connection, key: Any, row: Any, check: Optional[str], due: datetime,
+                       now: datetime) -> tuple[Optional[str], Optional[float]]:
+        """Take the row's one "check later" mark for this delivery, if it may: it is the pending
+        copy itself, or no copy is pending (none, or one overdue by a full :data:`CHECK_LOST_AFTER`,
+        taken as lost). Returns (copy id, seconds until due) or (None, None)."""
+        c = claims_table
+        if check is not None and row.check_token == check:
+            cond: Any = c.c.check_token == check  # the pending copy, finding the run alive: the next one
+        elif row.check_token is None:
+            cond = c.c.check_token.is_(None)
+        elif row.check_at is not None and row.check_at < now - CHECK_LOST_AFTER:
+            cond = c.c.check_token == row.check_token
+        else:
+            return None, None
+        new = new_token()[:32]
+        if conn.execute(sa.update(c).where(*key, cond).values(check_token=new, check_at=due)).rowcount != 1:
+            return None, None
+        return new, max(0.0, (due - now).total_seconds())
 
     @database_errors
     def finish_run(
@@ -254,8 +306,70 @@ class LedgerQueries:
                 sa.update(c)
                 .where(c.c.schedule == schedule, c.c.scheduled_at == at, c.c.run_token == token,
                        c.c.run_state == RunState.RUNNING.value)
-                .values(run_state=None, run_token=None, worker=None, worker_pid=None, started_at=None)
+                .values(run_state=None, run_token=None, worker=None, worker_pid=None, started_at=None,
+                        run_process=None, run_attempt=None, check_token=None, check_at=None)
             )
+            return result.rowcount == 1
+
+        return bool(self._run(work))
+
+    @database_errors
+    def drop_check(self, schedule: str, scheduled_at: datetime, check_token: str) -> bool:
+        """Clear the "check later" mark *check_token* (its copy could not be published), so the
+        next delivery that finds the run alive sends one."""
+        at = require_aware(scheduled_at, "scheduled_at")
+        c = claims_table
+
+        def work(conn: Connection) -> bool:
+            return conn.execute(sa.update(c).where(c.c.schedule == schedule, c.c.scheduled_at == at,
+                                                   c.c.check_token == check_token)
+                                .values(check_token=None, check_at=None)).rowcount == 1
+
+        return bool(self._run(work))
+
+    @database_errors
+    def end_lost_run(
+        self,
+        schedule: str,
+        scheduled_at: datetime,
+        *,
+        host: str,
+        pid: int,
+        state: RunState,
+        error: Optional[str],
+        runtime: Optional[float] = None,
+    ) -> bool:
+        """Record the end of the run of (*schedule*, *scheduled_at*) held by the process *pid* of
+        *host*, which its worker's main process saw die (lost, killed at a hard time limit,
+        terminated by a revoke), and record that process gone, in one transaction.
+
+        *state* LOST (Celery requeued the message: its next delivery runs it again at once) or
+        FAILED (it did not: the run is over). A run held by another process meanwhile is left
+        alone. Returns whether the run's row changed.
+        """
+        state = RunState(state)
+        if state not in (RunState.LOST, RunState.FAILED):
+            raise ValueError("end_lost_run() records 'lost' or 'failed'")
+        at = require_aware(scheduled_at, "scheduled_at")
+        c, w = claims_table, workers_table
+        host = clip(host, MAX_NODE_ID_LENGTH)
+        summary = None if error is None else clip(str(error), RUN_ERROR_LENGTH)
+
+        def work(conn: Connection) -> bool:
+            now = self._now(conn)
+            processes = [p for p, in conn.execute(sa.select(w.c.process).where(w.c.host == host, w.c.pid == int(pid)))]
+            conn.execute(sa.update(w).where(w.c.host == host, w.c.pid == int(pid), w.c.gone_at.is_(None))
+                         .values(gone_at=now, gone_reason=summary))
+            if not processes:
+                return False
+            result = conn.execute(
+                sa.update(c)
+                .where(c.c.schedule == schedule, c.c.scheduled_at == at,
+                       # 'lost': the child's own guess as it was stopped; the main process knows better.
+                       c.c.run_state.in_([RunState.RUNNING.value, RunState.LOST.value]),
+                       c.c.run_process.in_(processes))
+                .values(run_state=state.value, finished_at=now, runtime=None if runtime is None else float(runtime),
+                        run_error=summary))
             return result.rowcount == 1
 
         return bool(self._run(work))
@@ -268,22 +382,32 @@ class LedgerQueries:
         if not wanted:
             return {}
         c = claims_table
+        w = workers_table
+        # A running row is alive while its process's heartbeat row is (see .liveness).
+        alive = sa.exists().where(w.c.process == c.c.run_process, w.c.gone_at.is_(None),
+                                  w.c.expires_at >= sa.bindparam("now"))
         cols = (c.c.schedule, c.c.scheduled_at, c.c.status, c.c.run_state, c.c.claimed_at, c.c.sent_at,
-                c.c.started_at, c.c.finished_at)
+                c.c.started_at, c.c.finished_at, c.c.run_process, alive.label("alive"))
 
-        def read(conn: Connection) -> list[Any]:
+        def read(conn: Connection) -> tuple[datetime, list[Any]]:
+            now = self._now(conn)
             rows: list[Any] = []
             for chunk in chunks(wanted, _READ_CHUNK):
                 cond = sa.or_(*(sa.and_(c.c.schedule == s, c.c.scheduled_at == at) for s, at in chunk))
-                rows.extend(conn.execute(sa.select(*cols).where(cond)).all())
-            return rows
+                rows.extend(conn.execute(sa.select(*cols).where(cond), {"now": now}).all())
+            return now, rows
 
         out: dict[tuple[str, datetime], LedgerState] = {}
-        for r in self._run(read, write=False):
-            out[(r.schedule, r.scheduled_at)] = LedgerState(r.status, r.run_state, r.claimed_at, r.sent_at,
-                                                            r.started_at, r.finished_at)
+        _, rows = self._run(read, write=False)
+        for r in rows:
+            state, gone = r.run_state, False
+            if state == RunState.RUNNING.value and r.run_process is not None and not r.alive:
+                # Its process is known gone: the run is over as far as anyone waiting on it goes
+                # (an acks_late redelivery may still run it again, as a new start).
+                state, gone = RunState.FAILED.value, True
+            out[(r.schedule, r.scheduled_at)] = LedgerState(r.status, state, r.claimed_at, r.sent_at,
+                                                            r.started_at, r.finished_at, gone)
         return out
 
 
-__all__ = ["LedgerQueries", "LedgerState", "RunStart", "StartOutcome", "attempt_token", "error_summary",
-           "NO_CLAIM_REASON"]
+__all__ = ["LedgerQueries", "LedgerState", "RunStart", "StartOutcome", "error_summary", "NO_CLAIM_REASON"]

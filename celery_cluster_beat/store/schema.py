@@ -19,7 +19,7 @@ from .types import NameType, UTCDateTime, naive_utc  # noqa: F401  (naive_utc: i
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class ClaimStatus(StrEnum):
@@ -38,14 +38,18 @@ STATUSES = tuple(s.value for s in ClaimStatus)
 class RunState(StrEnum):
     """The worker-side ledger's column on a claim row: how the occurrence's run went.
 
-    None (no run started yet) -> RUNNING -> SUCCEEDED / FAILED / RETRIED; a RETRIED run
-    goes RUNNING again when Celery redelivers its retry (same task id).
+    None (no run started yet) -> RUNNING -> SUCCEEDED / FAILED / RETRIED / LOST; a RETRIED run
+    goes RUNNING again when Celery redelivers its retry (same task id), a LOST one when the
+    broker redelivers its requeued message (the worker's main process recorded the loss).
     """
 
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     RETRIED = "retried"
+    #: The process running it died (or was killed at a hard time limit) and Celery requeued the
+    #: message: the next delivery runs it again at once.
+    LOST = "lost"
 
 
 #: Longest error summary the ledger keeps per run (class and first line of the message).
@@ -91,6 +95,14 @@ claims_table = sa.Table(
     sa.Column("runtime", sa.Float(), nullable=True),  # seconds, by the worker's monotonic clock
     sa.Column("run_error", sa.Text(), nullable=True),
     sa.Column("duplicates", sa.Integer(), nullable=True),  # deliveries not run because one already was
+    # Version 4: the process that holds the run (cluster_beat_workers.process): a running run is
+    # taken over only when that process is known gone, by the database's clock.
+    sa.Column("run_process", NameType(MAX_NODE_ID_LENGTH), nullable=True),
+    # Celery's retry number of the attempt holding the run (any int: retries are unbounded).
+    sa.Column("run_attempt", sa.BigInteger(), nullable=True),
+    # The one pending "check later" copy of the message (acks_late): its id and when it is due.
+    sa.Column("check_token", sa.String(32), nullable=True),
+    sa.Column("check_at", UTCDateTime(), nullable=True),
     sa.CheckConstraint(
         "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
         name="ck_cluster_beat_claims_status",
@@ -219,6 +231,26 @@ schedule_version_table = sa.Table(
     **_MYSQL_TABLE,
 )
 
+workers_table = sa.Table(
+    "cluster_beat_workers",
+    metadata,
+    # Each worker process that runs ledger tasks (a prefork pool child, or the worker itself
+    # for the solo / threads pools), heartbeating from a thread of its own. Times are the
+    # database's: the process is alive until expires_at (its last heartbeat plus its grace),
+    # or until gone_at is set (its worker's main process saw it die, or it stopped).
+    sa.Column("process", NameType(MAX_NODE_ID_LENGTH), primary_key=True),  # host:pid:random
+    sa.Column("host", NameType(MAX_NODE_ID_LENGTH), nullable=False),
+    sa.Column("pid", sa.Integer(), nullable=False),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
+    sa.Column("expires_at", UTCDateTime(), nullable=False),
+    sa.Column("gone_at", UTCDateTime(), nullable=True),
+    sa.Column("gone_reason", sa.Text(), nullable=True),
+    sa.Index("ix_cluster_beat_workers_host_pid", "host", "pid"),
+    sa.Index("ix_cluster_beat_workers_expires_at", "expires_at"),
+    **_MYSQL_TABLE,
+)
+
 meta_table = sa.Table(
     "cluster_beat_meta",
     metadata,
@@ -250,6 +282,8 @@ class ClaimRow:
     runtime: float | None = None
     run_error: str | None = None
     duplicates: int | None = None
+    run_process: str | None = None
+    run_attempt: int | None = None
 
     @property
     def occurrence(self) -> Occurrence:
@@ -303,10 +337,21 @@ def _add_column(table: sa.Table, name: str) -> Any:
     return step
 
 
+def _attempts_from_tokens(conn: Any) -> None:
+    """Version 3 kept the attempt of an unfinished run as the 4-digit prefix of its run token."""
+    c = claims_table
+    for token, in conn.execute(sa.select(c.c.run_token).where(
+            c.c.run_state.in_(["running", "retried"]), c.c.run_token.is_not(None), c.c.run_attempt.is_(None))).all():
+        if token[:4].isdigit():
+            conn.execute(sa.update(c).where(c.c.run_token == token).values(run_attempt=int(token[:4])))
+
+
 #: version -> the steps that bring a store of that version to the next one. New tables
 #: are created by ``create_all``; only changes to existing tables are listed here.
 MIGRATIONS = {
     1: [_add_column(schedules_table, "last_sent_occurrence"), _add_column(schedules_table, "registered_at")],
     2: [_add_column(claims_table, c) for c in ("run_state", "run_token", "worker", "worker_pid", "started_at",
                                                  "finished_at", "runtime", "run_error", "duplicates")],
+    3: [*(_add_column(claims_table, c) for c in ("run_process", "run_attempt", "check_token", "check_at")),
+        lambda conn: _attempts_from_tokens(conn)],
 }

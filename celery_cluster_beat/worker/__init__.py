@@ -3,7 +3,10 @@
 Owns the message protocol between beat and the worker (:mod:`.protocol`: the
 ``cluster_beat_*`` header names, :class:`OccurrenceContext`) and the task base class
 (:mod:`.task`: :class:`LedgerTask`) that records each run in the claim store's
-ledger columns, so a second delivery of an occurrence is recognised and not run.
+ledger columns, so a second delivery of an occurrence is recognised and not run;
+each process running ledger tasks heartbeats (:mod:`.liveness`), so a run is taken over
+only when its process is gone, and a worker's main process records the end of a run its
+pool child could not (:mod:`.outcomes`).
 The ledger's SQL lives in the store (:mod:`..store.ledger`); beat's overlap guard
 reads it back.
 

@@ -25,6 +25,10 @@ HEADER_ATTEMPT = "cluster_beat_attempt"
 #: The entry's effective ``max_run_time`` (seconds): after it a redelivered acks_late run may run again.
 HEADER_MAX_RUN_TIME = "cluster_beat_max_run_time"
 
+#: On a "check later" copy the ledger published itself (acks_late, the run found alive): the
+#: copy's id, matched against the one pending on the run's row. Never written by beat.
+HEADER_CHECK = "cluster_beat_check"
+
 HEADERS = (HEADER_SCHEDULE, HEADER_SCHEDULED_AT, HEADER_NODE, HEADER_CATCHUP, HEADER_ATTEMPT, HEADER_MAX_RUN_TIME)
 
 

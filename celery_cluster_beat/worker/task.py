@@ -10,20 +10,31 @@ store before the body runs (:meth:`~..store.ledger.LedgerQueries.start_run`):
   reported as ``duplicate-skipped`` through :data:`~..signals.run_handled`, counted on
   the row (``duplicates``) and ends with :class:`celery.exceptions.Ignore`, so the result
   backend keeps the real run's result;
-* Celery's retries (``self.retry``: same task id, ``retries`` > 0) continue the run;
-* **acks_late**: a task with ``acks_late`` whose worker died mid-run gets its message
-  redelivered; that redelivery runs again only once the previous start is older than
-  the entry's ``max_run_time`` (sent by beat in ``cluster_beat_max_run_time``; the app's
-  ``cluster_beat_max_run_time``, default 600 s, when missing). A redelivery before that
-  (the broker's visibility timeout is shorter, or a producer's duplicate) is not run, but
-  since its worker may have died, a copy of the message is published with a countdown to
-  that moment (same task id and headers): if the run is still ``running`` then, it runs
-  again; if it ended, the copy is an ordinary duplicate. So a merely slow run is never run
-  twice within ``max_run_time``, and a dead one is not lost. Without acks_late a running
-  run is never taken over (its message was acknowledged before the run started, so no
-  redelivery can stand for a lost run);
+* Celery's retries (``self.retry``: same task id, ``retries`` > 0, any number of them)
+  continue the run;
+* **liveness, not age, decides a re-run** (acks_late): the row names the process that runs
+  the body (``host:pid:random``), which heartbeats from a thread of its own
+  (:mod:`.liveness`, every ``cluster_beat_worker_grace`` / 4 s, default grace 30 s). A
+  delivery that finds the run ``running`` runs it again only when that process is known
+  gone by the database's clock (heartbeat older than its grace, or recorded gone by its
+  worker's main process, :mod:`.outcomes`), or finds it ``lost`` (the pool child died and
+  Celery requeued the message): a live run is never started twice, however long it runs,
+  and a dead one is re-run once. ``max_run_time`` plays no part;
+* **at most one "check later" copy per run** (acks_late): a duplicate delivery that finds
+  the run alive may be the broker's only copy of the message (Redis hands out an unacked
+  message again after its visibility timeout and this delivery's ack consumes it), so
+  unless a copy is pending it takes the row's one "check later" mark (atomically) and
+  publishes one copy of the message (same task id and headers, plus the mark's id, no
+  ``expires``), due when the process could be judged gone. The copy re-runs the run if
+  its process is gone then, is a plain duplicate if the run ended, and otherwise takes the
+  mark for the next check. Every other delivery meanwhile is a counted duplicate and is
+  acknowledged. Without acks_late a running run is never taken over (its message was
+  acknowledged before the run started, so no redelivery can stand for a lost run);
 * when the body returns or raises, the row records finished time, runtime, outcome
-  (succeeded / failed / retried) and the error's class and first line.
+  (succeeded / failed / retried) and the error's class and first line; a pool child that
+  died, hit the hard time limit or was terminated by a revoke has its end recorded by its
+  worker's main process (:mod:`.outcomes`: ``lost`` when the message is requeued,
+  else ``failed`` with the reason).
 
 A task called directly, or a message without the headers (``delay()`` from your own
 code), runs exactly as without the base class. The store is opened lazily, once per
@@ -36,8 +47,8 @@ an acks_late task's message is rejected with requeue, so it comes back once the
 database does; any other task fails with :class:`LedgerUnavailable` (logged, FAILURE
 in the result backend, ``ledger-unavailable`` through the signal). Nothing is then run
 twice and nothing is dropped unseen. A finish the database does not take is retried
-briefly and then logged; the row stays ``running``, which the overlap guard counts as
-in flight until ``max_run_time``.
+briefly, logged, and handed to the process's heartbeat thread, which writes it once the
+database answers (meanwhile the row reads ``running``, held by a live process).
 """
 from __future__ import annotations
 
@@ -46,6 +57,7 @@ import os
 import socket
 import threading
 import time
+from functools import partial
 from typing import Any, Dict, Optional, Tuple
 
 from celery import Task, current_task
@@ -53,17 +65,18 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from .. import signals
 from ..base import MAX_NODE_ID_LENGTH, clip
-from ..config.settings import default_db_url
+from ..config.settings import db_timeout_setting, default_db_url
 from ..signals import RunOutcome
 from ..store import ClaimStore, StoreUnavailable
 from ..store.ledger import RunStart, StartOutcome, error_summary
 from ..store.schema import RunState
-from .protocol import HEADERS, OccurrenceContext, ProtocolError
+from .calls import enters_delivery
+from .liveness import defer, process_id, start_heartbeat, worker_grace
+from .protocol import HEADER_CHECK, HEADERS, OccurrenceContext, ProtocolError
+from .tracking import TrackStarted, TrackStartedType, store_started
 
 logger = logging.getLogger("celery_cluster_beat.worker")
 
-#: max_run_time when neither the message nor the app's configuration says (beat's default).
-DEFAULT_MAX_RUN_TIME = 600.0
 #: Tries of a finish record the database does not take, and the pause between them (seconds).
 FINISH_TRIES = 3
 FINISH_PAUSE = 0.5
@@ -82,24 +95,35 @@ class LedgerUnavailable(RuntimeError):
     """The claim database did not answer for ``ledger_wait`` seconds: the run was not started."""
 
 
-def ledger_store(app: Any) -> ClaimStore:
+def _db_url(app: Any) -> str:
+    return app.conf.get("cluster_beat_db_url") or default_db_url(app.conf)  # beat_schedule_filename, as beat
+
+
+def ledger_store(app: Any, *, heartbeat: bool = True) -> ClaimStore:
     """This process's claim store for *app* (``cluster_beat_db_url``), opened on first use.
 
     One per process and URL: a pool child opens its own after the fork, never
-    reusing connections its parent made. Threads of one process share it.
+    reusing connections its parent made. Threads of one process share it. With
+    *heartbeat* (a process that runs ledger tasks), this process's heartbeat thread
+    is started too (worker/liveness.py); a worker's main process that only records
+    its pool children's losses (worker/outcomes.py) passes False.
     """
-    url = app.conf.get("cluster_beat_db_url") or default_db_url(app.conf)  # beat_schedule_filename, as beat
+    url = _db_url(app)
     key = (os.getpid(), url)
     store = _stores.get(key)
     if store is not None:
+        if heartbeat:
+            start_heartbeat(store, app)
         return store
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             node = clip(f"worker:{socket.gethostname()}:{os.getpid()}", MAX_NODE_ID_LENGTH)
-            store = ClaimStore(url, node_id=node)
+            store = ClaimStore(url, node_id=node, db_timeout=db_timeout_setting(app.conf))
             store.open()  # StoreUnavailable when down: not cached, the next run tries again
             _stores[key] = store
+    if heartbeat:
+        start_heartbeat(store, app)
     return store
 
 
@@ -115,13 +139,19 @@ def current_occurrence() -> Optional[OccurrenceContext]:
         return None
 
 
-class LedgerTask(Task):
+class LedgerTask(Task, metaclass=TrackStartedType):
     """Celery task base class: a scheduled occurrence runs once per occurrence (see the module docstring)."""
 
     #: Seconds to keep trying the claim database before a run is given up (see the module docstring).
     ledger_wait: float = 30.0
     #: Beat's overlap guard reads this task's runs from the ledger (config.observing.LEDGER_MARK).
     cluster_beat_ledger = True
+    #: The worker's main process records here what a pool child could not (worker/outcomes.py).
+    Request = "celery_cluster_beat.worker.outcomes:LedgerRequest"
+    #: task_track_started for this task (None: the app's); Celery's tracer reads ``track_started``
+    #: False and the ledger stores STARTED once the delivery may run (worker/tracking.py).
+    ledger_track_started: Optional[bool] = None
+    track_started = TrackStarted()
 
     @property
     def occurrence(self) -> Optional[OccurrenceContext]:
@@ -133,7 +163,7 @@ class LedgerTask(Task):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly:
+        if not enters_delivery(self, request):  # a direct call, inside a run too: a plain call (worker/calls.py)
             return super().__call__(*args, **kwargs)
         try:
             occ = OccurrenceContext.from_request(request)
@@ -141,6 +171,7 @@ class LedgerTask(Task):
             logger.warning("cluster-beat ledger: %s[%s]: %s; run without the ledger", self.name, request.id, exc)
             occ = None
         if occ is None:
+            store_started(self, request)
             return super().__call__(*args, **kwargs)
         worker = request.hostname or socket.gethostname()
         start = self._start(occ, worker)
@@ -150,8 +181,8 @@ class LedgerTask(Task):
                 self.name, occ.task_id, occ.schedule, occ.scheduled_at.isoformat(), start.found_state or "started",
                 start.found_worker or "?")
             self._report(RunOutcome.DUPLICATE_SKIPPED, occ, worker)
-            if start.rerun_in is not None and start.found_worker is not None:
-                self._check_later(occ, start.rerun_in)
+            if start.check_token is not None and start.check_in is not None:
+                self._check_later(occ, start.check_in, start.check_token)
             raise Ignore()
         if start.outcome is not StartOutcome.STARTED or start.inserted:
             logger.info("cluster-beat ledger: %s[%s]: %s %s at %s%s", self.name, occ.task_id, start.outcome.value,
@@ -161,6 +192,7 @@ class LedgerTask(Task):
         began = time.monotonic()
         token = start.token or ""
         try:
+            store_started(self, request)  # only now: a duplicate never writes STARTED (worker/tracking.py)
             retval = super().__call__(*args, **kwargs)
         except Retry:
             self._finish(occ, worker, token, RunState.RETRIED, time.monotonic() - began, None)
@@ -173,6 +205,13 @@ class LedgerTask(Task):
             raise
         except Ignore:
             self._finish(occ, worker, token, RunState.SUCCEEDED, time.monotonic() - began, None)
+            raise
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # This process is being stopped mid-run (a terminating revoke, a cold shutdown). With
+            # acks_late its message may come back: 'lost' lets that delivery run it again; the main
+            # process overrides this with 'failed' when Celery acknowledges the message (outcomes.py).
+            self._finish(occ, worker, token, RunState.LOST if self.acks_late else RunState.FAILED,
+                         time.monotonic() - began, f"worker process stopped mid-run: {error_summary(exc)}")
             raise
         except BaseException as exc:
             self._finish(occ, worker, token, RunState.FAILED, time.monotonic() - began, error_summary(exc))
@@ -201,19 +240,6 @@ class LedgerTask(Task):
         return result
 
     # -- the ledger's steps ------------------------------------------------------------
-    def _max_run_time(self, occ: OccurrenceContext) -> Optional[float]:
-        """How old a running start must be before a redelivery runs again; None: never (the task
-        acknowledges early, so a redelivery of a started run cannot be a lost one)."""
-        if not self.acks_late:
-            return None
-        if occ.max_run_time is not None:
-            return occ.max_run_time
-        configured = self.app.conf.get("cluster_beat_max_run_time")
-        try:
-            return float(configured) if configured else DEFAULT_MAX_RUN_TIME
-        except (TypeError, ValueError):
-            return DEFAULT_MAX_RUN_TIME
-
     def _start(self, occ: OccurrenceContext, worker: str) -> RunStart:
         deadline = time.monotonic() + self.ledger_wait
         pause = 0.2
@@ -221,7 +247,8 @@ class LedgerTask(Task):
             try:
                 return ledger_store(self.app).start_run(
                     occ.schedule, occ.scheduled_at, task_id=occ.task_id, worker=worker, pid=os.getpid(),
-                    retries=occ.attempt - 1, max_run_time=self._max_run_time(occ))
+                    retries=occ.attempt - 1, process=process_id(), grace=worker_grace(self.app),
+                    takeover=bool(self.acks_late), check=self._check_header())
             except StoreUnavailable as exc:
                 if time.monotonic() + pause > deadline:
                     return self._give_up(occ, worker, exc)
@@ -254,8 +281,12 @@ class LedgerTask(Task):
             except StoreUnavailable as exc:
                 if attempt == FINISH_TRIES:
                     logger.error("cluster-beat ledger: %s[%s]: cannot record the %s run of %s at %s (%s); "
-                                 "it stays 'running' until max_run_time", self.name, occ.task_id, state.value,
-                                 occ.schedule, occ.scheduled_at.isoformat(), exc)
+                                 "this process's heartbeat thread keeps trying", self.name, occ.task_id,
+                                 state.value, occ.schedule, occ.scheduled_at.isoformat(), exc)
+                    store = _stores.get((os.getpid(), _db_url(self.app)))
+                    if store is not None:
+                        defer(partial(store.finish_run, occ.schedule, occ.scheduled_at, token, state, runtime,
+                                      error))
                 else:
                     time.sleep(FINISH_PAUSE)
         self._report(outcome, occ, worker, runtime=runtime, error=error)
@@ -270,20 +301,31 @@ class LedgerTask(Task):
                 headers.setdefault(name, value)
         return headers
 
-    def _check_later(self, occ: OccurrenceContext, delay: float) -> None:
-        """acks_late: the run this delivery duplicates may have died with its worker; publish a
-        copy of the message for when it may be re-run (see the module docstring)."""
+    def _check_header(self) -> Optional[str]:
+        value = self.request.get(HEADER_CHECK) or (self.request.headers or {}).get(HEADER_CHECK)
+        return value if isinstance(value, str) else None
+
+    def _check_later(self, occ: OccurrenceContext, delay: float, check: str) -> None:
+        """acks_late: this delivery found the run alive and holds the row's one "check later" mark:
+        publish the one copy of the message, due when the run's process could be judged gone
+        (see the module docstring). The copy carries the mark's id and no ``expires``."""
         countdown = delay + 1.0  # past the limit by the database's clock, whatever this host's says
+        headers = {**self._occurrence_headers(), HEADER_CHECK: check}
         try:
-            self.signature_from_request(self.request, countdown=countdown,
-                                        headers=self._occurrence_headers()).apply_async()
+            self.signature_from_request(self.request, countdown=countdown, expires=None,
+                                        headers=headers).apply_async()
         except Exception as exc:
-            # Not acknowledged either: the broker redelivers this message instead.
+            # Not acknowledged either: the broker redelivers this message instead, and the mark is
+            # given back so that delivery (or another) sends the copy.
             logger.error("cluster-beat ledger: %s[%s]: cannot schedule the check of the running run (%r); "
                          "message requeued", self.name, occ.task_id, exc)
+            try:
+                ledger_store(self.app).drop_check(occ.schedule, occ.scheduled_at, check)
+            except StoreUnavailable:
+                pass  # the mark counts as lost a minute after it was due
             raise Reject(repr(exc), requeue=True)
-        logger.info("cluster-beat ledger: %s[%s]: checking again in %.0fs whether the run of %s at %s ended "
-                    "(acks_late: its worker may have died)", self.name, occ.task_id, countdown, occ.schedule,
+        logger.info("cluster-beat ledger: %s[%s]: checking again in %.0fs whether the run of %s at %s is alive "
+                    "(acks_late: its worker may die)", self.name, occ.task_id, countdown, occ.schedule,
                     occ.scheduled_at.isoformat())
 
     def _release(self, occ: OccurrenceContext, token: str) -> None:
@@ -291,7 +333,7 @@ class LedgerTask(Task):
             ledger_store(self.app).release_run(occ.schedule, occ.scheduled_at, token)
         except StoreUnavailable as exc:
             logger.error("cluster-beat ledger: %s[%s]: cannot release the rejected run (%s); a redelivery "
-                         "runs only after max_run_time", self.name, occ.task_id, exc)
+                         "runs it once this process is gone", self.name, occ.task_id, exc)
 
     def _report(self, outcome: RunOutcome, occ: OccurrenceContext, worker: str, *, runtime: Optional[float] = None,
                 error: Optional[str] = None) -> None:

@@ -7,10 +7,9 @@ connection of its own, and count the winners.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
-from typing import List
+from typing import List, Optional
 
 import pytest
 
@@ -29,9 +28,11 @@ def occ(name: str, minute: int) -> Occurrence:
     return Occurrence(name, T0 + timedelta(minutes=minute))
 
 
-def start(store: ClaimStore, o: Occurrence, *, worker: str = "w1@host", retries: int = 0, max_run_time=None):
+def start(store: ClaimStore, o: Occurrence, *, worker: str = "w1@host", retries: int = 0, takeover: bool = False,
+          process: Optional[str] = None, grace: float = 60.0, check: Optional[str] = None):
+    """A delivery run by *process* (default: one per worker name, alive for *grace* seconds)."""
     return store.start_run(o.schedule, o.at, task_id=o.task_id, worker=worker, pid=123, retries=retries,
-                           max_run_time=max_run_time)
+                           process=process or f"host-{worker}:123:abc", grace=grace, takeover=takeover, check=check)
 
 
 def row(store: ClaimStore, o: Occurrence):
@@ -58,8 +59,8 @@ def test_the_first_delivery_starts_the_run_and_every_other_is_a_counted_duplicat
     r = row(worker, o)
     assert (r.run_state, r.runtime, r.run_error) == ("succeeded", 1.5, None)
     assert r.finished_at is not None and r.finished_at >= r.started_at
-    # A finished run is never started again, not even by a late redelivery past max_run_time.
-    assert start(worker, o, max_run_time=0.001).outcome is DUPLICATE
+    # A finished run is never started again, not even by a late redelivery of an acks_late task.
+    assert start(worker, o, takeover=True, worker="w3@host").outcome is DUPLICATE
 
 
 def test_a_message_faster_than_the_sent_mark_starts_the_run_and_the_mark_still_lands(make_store):
@@ -116,23 +117,6 @@ def test_a_retry_that_arrives_before_its_attempt_recorded_retried_still_continue
     r = row(store, o)
     assert (r.run_state, r.worker) == ("running", "w2@host")
     assert store.finish_run(o.schedule, o.at, retry.token, RunState.SUCCEEDED, 0.1)
-
-
-def test_a_redelivery_reruns_only_once_the_start_is_older_than_max_run_time(make_store):
-    store = make_store("worker")
-    o = occ("acks-late", 1)
-    store.claim([o])
-    first = start(store, o)
-    assert start(store, o, max_run_time=60).outcome is DUPLICATE  # young: the first may still run
-    assert start(store, o, max_run_time=None).outcome is DUPLICATE  # acks early: never taken over
-    time.sleep(1.2)
-    rerun = start(store, o, max_run_time=1.0, worker="w2@host")
-    assert rerun.outcome is RERUN and rerun.token != first.token
-    assert start(store, o, max_run_time=1.0).outcome is DUPLICATE  # the rerun just started
-    # The dead run's holder cannot overwrite the rerun (if it was not dead after all).
-    assert not store.finish_run(o.schedule, o.at, first.token, RunState.SUCCEEDED, 9.0)
-    assert store.finish_run(o.schedule, o.at, rerun.token, RunState.SUCCEEDED, 0.5)
-    assert row(store, o).worker == "w2@host"
 
 
 def test_the_error_summary_is_class_and_first_line_and_bounded(make_store):

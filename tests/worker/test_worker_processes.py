@@ -60,6 +60,31 @@ def flaky(self):
     return "done"
 
 
+def _slow(task, seconds):
+    """The first run of an occurrence takes *seconds*; a re-run is quick."""
+    _push(task)
+    nth = _rec.incr(RUNS_KEY + ":n:" + task.request.id)
+    _rec.expire(RUNS_KEY + ":n:" + task.request.id, 600)
+    time.sleep(seconds if nth == 1 else 0.5)
+    return nth
+
+
+@app.task(bind=True, base=LedgerTask, name="t.slow", acks_late=True)
+def slow(self, seconds):
+    return _slow(self, seconds)
+
+
+@app.task(bind=True, base=LedgerTask, name="t.slow_requeue", acks_late=True, reject_on_worker_lost=True)
+def slow_requeue(self, seconds):
+    return _slow(self, seconds)
+
+
+@app.task(bind=True, base=LedgerTask, name="t.limited", time_limit=3)
+def limited(self):
+    _push(self)
+    time.sleep(60)
+
+
 @app.task(bind=True, base=LedgerTask, name="t.long", acks_late=True)
 def long(self):
     _push(self)
@@ -190,26 +215,96 @@ def test_a_celery_retry_continues_the_occurrence(setup):
     assert len(s.runs(o.task_id)) == 2
 
 
+#: Redis hands an unacknowledged message out again after 5 s, to any worker, even while the
+#: run is alive; worker processes count as alive for 4 s after their last heartbeat.
+SHORT_VISIBILITY = ('{"broker_transport_options": {"visibility_timeout": 5, "unacked_restore_interval": 1, '
+                    '"unacked_restore_throttle": 1}, "cluster_beat_worker_grace": %s}')
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_acks_late_a_run_whose_worker_was_killed_runs_again_only_after_max_run_time(setup):
-    """The worker is SIGKILLed mid-run; Redis hands the unacknowledged message out again
-    after its visibility timeout (4 s), which is before max_run_time (10 s): that
-    delivery is not run, but checks back, and the run happens once max_run_time has passed."""
-    max_run_time = 10.0
-    s = setup(conf='{"broker_transport_options": {"visibility_timeout": 4, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}}')
+def test_acks_late_a_run_whose_whole_worker_was_killed_runs_again_once_its_heartbeat_expired(setup):
+    """The worker (main process and pool child) is SIGKILLed mid-run: nobody records the loss.
+    Redis hands the unacknowledged message out again; the run is taken over only once the dead
+    process's heartbeat is older than its grace (6 s) by the database's clock, and once."""
+    grace = 6.0
+    s = setup(conf=SHORT_VISIBILITY % grace)
     first_worker = s.worker(concurrency=1)
     o = s.occurrence("killed")
-    s.publish("t.long", o, max_run_time=max_run_time)
+    s.publish("t.long", o)
     started = s.wait_row(o, lambda r: r.run_state == "running", 60, "the first run to start")
-    os.killpg(first_worker.pid, signal.SIGKILL)
-    first_worker.popen.wait(10)
     second_worker = s.worker(concurrency=2)
+    # Redis hands the message out again while the run is alive: a duplicate, which leaves one copy.
+    s.wait_row(o, lambda r: (r.duplicates or 0) >= 1, 60, "a redelivery of the live run")
+    procs.wait_for(lambda: "checking again in" in second_worker.log(), 15, what="the check copy logged")
+    os.killpg(first_worker.pid, signal.SIGKILL)
+    killed_at = time.time()
+    first_worker.popen.wait(10)
     r = s.wait_row(o, lambda r: r.run_state == "succeeded", 100, "the run to be re-run and succeed")
     runs = s.runs(o.task_id)
     assert len(runs) == 2, (runs, s.logs())
-    gap = runs[1]["t"] - runs[0]["t"]
-    assert gap >= max_run_time - 1.0, (gap, s.logs())  # by the database clock; one host: within a second
-    assert (r.started_at - started.started_at).total_seconds() >= max_run_time
+    # Its last heartbeat was at most grace/4 before the kill: not re-run before 3/4 of the grace.
+    assert runs[1]["t"] - killed_at >= 0.75 * grace - 0.5, (runs, killed_at, s.logs())
     assert r.worker != started.worker and runs[1]["pid"] != runs[0]["pid"]
-    assert "duplicate delivery" in second_worker.log() or gap >= max_run_time, s.logs()
+    assert r.run_process != started.run_process
+    time.sleep(grace + 3)  # any check copy still pending comes and goes: a duplicate
+    assert len(s.runs(o.task_id)) == 2, s.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_long_acks_late_run_starts_once_while_its_child_lives_and_reruns_once_after_sigkill(setup):
+    """A 2-minute body, Redis visibility 5 s: the message is handed out again every few seconds
+    while the run is alive; none of those deliveries runs (one "check later" copy at a time).
+    The pool child is then SIGKILLed: its worker's main process records the run lost and Celery
+    requeues it (task_reject_on_worker_lost): it runs again, once."""
+    grace = 4.0
+    s = setup(conf=SHORT_VISIBILITY % grace)
+    worker = s.worker(concurrency=2)  # a free child handles the redeliveries meanwhile
+    o = s.occurrence("long-body")
+    s.publish("t.slow_requeue", o, (120.0,))
+    s.wait_row(o, lambda r: r.run_state == "running", 60, "the run to start")
+    # Several visibility timeouts and graces pass; the redeliveries are counted, never run.
+    s.wait_row(o, lambda r: (r.duplicates or 0) >= 3, 90, "redeliveries of the live run counted as duplicates")
+    time.sleep(10)
+    runs = s.runs(o.task_id)
+    assert len(runs) == 1, (runs, s.logs())
+    live = s.row(o)
+    assert live.run_state == "running" and live.run_process.split(":")[-2] == str(runs[0]["pid"])
+    os.kill(runs[0]["pid"], signal.SIGKILL)
+    r = s.wait_row(o, lambda r: r.run_state == "succeeded", 60, "the lost run to be re-run and succeed")
+    assert r.run_process != live.run_process
+    time.sleep(grace + 4)  # pending check copies and the requeued message come and go
+    runs = s.runs(o.task_id)
+    assert len(runs) == 2, (runs, s.logs())
+    assert s.row(o).run_state == "succeeded"
+    assert "lost; its redelivery runs it again" in worker.log(), s.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_process(setup):
+    """The pool child is killed by the worker (hard time limit) or by a revoke(terminate=True):
+    it records nothing itself; the worker's main process ends the row ``failed`` with the reason,
+    so the run does not read ``running`` and the guard is free."""
+    s = setup(conf='{"cluster_beat_worker_grace": 4}')
+    s.worker(concurrency=2)
+    timed, killed, termed = s.occurrence("time-limited"), s.occurrence("revoked-kill"), s.occurrence("revoked-term")
+    s.publish("t.limited", timed)
+    s.publish("t.slow", killed, (120.0,))
+    s.wait_row(killed, lambda r: r.run_state == "running", 60, "the run to be revoked to start")
+    # SIGKILL: the body records nothing; SIGTERM reaches it as SystemExit (it records 'lost', acks_late):
+    # either way the main process's verdict stands, as Celery acknowledged the message.
+    s.producer.control.revoke(killed.task_id, terminate=True, signal="SIGKILL")
+    r = s.wait_row(timed, lambda r: r.run_state == "failed", 60, "the time limit to be recorded")
+    assert r.run_error.startswith("TimeLimitExceeded") and r.finished_at is not None, r
+    s.publish("t.slow", termed, (120.0,))
+    s.wait_row(termed, lambda r: r.run_state == "running", 60, "the second run to be revoked to start")
+    s.producer.control.revoke(termed.task_id, terminate=True)
+    for o in (killed, termed):
+        r = s.wait_row(o, lambda r: r.run_state == "failed", 60, "the terminating revoke to be recorded")
+        assert r.run_error.startswith("revoked (terminated)") and r.finished_at is not None, r
+    time.sleep(6)  # past the grace: none runs again
+    assert [len(s.runs(o.task_id)) for o in (timed, killed, termed)] == [1, 1, 1], s.logs()
+    states = s.store.run_states([(o.schedule, o.at) for o in (timed, killed, termed)])
+    assert {st.run_state for st in states.values()} == {"failed"}

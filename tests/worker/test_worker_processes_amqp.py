@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 from typing import List
 
@@ -140,19 +141,20 @@ def test_an_occurrence_published_twice_to_rabbitmq_runs_once(setup):
 
 
 @pytest.mark.timeout(150)
-def test_acks_late_worker_killed_mid_run_rabbitmq_redelivery_is_not_run_before_max_run_time(setup):
-    """The worker dies inside the body: RabbitMQ redelivers at once (``redelivered=True``, no
-    visibility timeout to wait for). That delivery is not run while the lost run is younger than
-    max_run_time; it leaves a copy that re-runs the occurrence once max_run_time has passed."""
-    max_run_time = 8.0
-    s = setup()
+def test_acks_late_worker_killed_mid_run_rabbitmq_redelivery_runs_once_the_heartbeat_expired(setup):
+    """The whole worker dies inside the body (nobody records it): RabbitMQ redelivers at once
+    (``redelivered=True``). That delivery is not run while the dead process's heartbeat is younger
+    than its grace (6 s); it leaves one copy that re-runs the occurrence once it is older."""
+    grace = 6.0
+    s = setup(conf='{"cluster_beat_worker_grace": %s}' % grace)
     first = s.worker(concurrency=1)
     o = s.occurrence("killed-amqp")
-    s.publish("t.long", o, max_run_time=max_run_time)
+    s.publish("t.long", o)
     started = s.wait_row(o, lambda r: r.run_state == "running", 60, "the first run to start")
+    second = s.worker(concurrency=2)  # ready before the kill: the redelivery reaches it at once
     os.killpg(first.pid, signal.SIGKILL)
+    killed_at = time.time()
     first.popen.wait(10)
-    second = s.worker(concurrency=2)
     r = s.wait_row(o, lambda r: r.run_state == "succeeded", 90, "the occurrence to be re-run and succeed")
 
     deliveries = s.deliveries(o.task_id)
@@ -160,8 +162,37 @@ def test_acks_late_worker_killed_mid_run_rabbitmq_redelivery_is_not_run_before_m
     assert len(runs) == 2, (runs, deliveries, s.logs())
     # first delivery (run, killed), RabbitMQ's redelivery (not run), the check copy (runs)
     assert [d["redelivered"] for d in deliveries] == [False, True, False], (deliveries, s.logs())
-    assert runs[1]["t"] - runs[0]["t"] >= max_run_time - 1.0, (runs, s.logs())
-    assert (r.started_at - started.started_at).total_seconds() >= max_run_time
+    assert runs[1]["t"] - killed_at >= 0.75 * grace - 0.5, (runs, killed_at, s.logs())
     assert r.duplicates == 1 and r.worker != started.worker, r
     assert "duplicate delivery" in second.log() and "checking again in" in second.log(), second.log()[-3000:]
     assert deliveries[1]["pid"] != runs[0]["pid"]  # received by the second worker
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("requeue", [True, False], ids=["reject_on_worker_lost", "default"])
+def test_a_sigkilled_pool_child_is_recorded_by_its_worker_and_rerun_only_when_requeued(setup, requeue):
+    """A long acks_late body; its pool child is SIGKILLed. The worker's main process records the
+    end on the row: with task_reject_on_worker_lost RabbitMQ gets the message back and its
+    redelivery runs the occurrence again at once (once); without, Celery acknowledges it and
+    stores FAILURE: the row ends ``failed`` with the reason and nothing runs again."""
+    grace = 4.0
+    s = setup(conf='{"cluster_beat_worker_grace": %s}' % grace)
+    worker = s.worker(concurrency=2)
+    o = s.occurrence(f"child-killed-{requeue}")
+    s.publish("t.slow_requeue" if requeue else "t.slow", o, (120.0,))
+    s.wait_row(o, lambda r: r.run_state == "running", 60, "the run to start")
+    time.sleep(2)
+    [first] = s.runs(o.task_id)
+    os.kill(first["pid"], signal.SIGKILL)
+    if requeue:
+        r = s.wait_row(o, lambda r: r.run_state == "succeeded", 60, "the lost run to be re-run and succeed")
+        assert r.run_process.split(":")[-2] != str(first["pid"])
+        assert "lost; its redelivery runs it again" in worker.log(), s.logs()
+    else:
+        r = s.wait_row(o, lambda r: r.run_state == "failed", 60, "the lost run to be recorded failed")
+        assert r.run_error.startswith("WorkerLostError") and "SIGKILL" in r.run_error, r
+        assert r.finished_at is not None
+    time.sleep(grace + 3)  # past the grace: nothing else runs it
+    runs = s.runs(o.task_id)
+    assert len(runs) == (2 if requeue else 1), (runs, s.deliveries(o.task_id), s.logs())
+    assert s.row(o).run_state == ("succeeded" if requeue else "failed")

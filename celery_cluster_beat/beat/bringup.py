@@ -50,7 +50,8 @@ class Bringup:
     def create_store(self) -> ClaimStore:
         """The claim store, not opened yet (opening it needs the database: :meth:`step`)."""
         s = self.node.settings
-        self.node.store = ClaimStore(s.db_url, node_id=s.node_id, lock_timeout=self.lock_timeout())
+        self.node.store = ClaimStore(s.db_url, node_id=s.node_id, lock_timeout=self.lock_timeout(),
+                                      db_timeout=s.db_timeout)
         return self.node.store
 
     def _waits(self, what: str, exc: BaseException) -> None:

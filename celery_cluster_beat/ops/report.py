@@ -253,7 +253,8 @@ def open_store(app: Any, settings: Optional[Settings] = None) -> ClaimStore:
         # Opening would create an empty database that no beat reads, and actions would "succeed".
         raise ConfigError(f"no claim database at {path}: set cluster_beat_db_url (or beat_schedule_filename) "
                           "to the one beat uses, or run this where beat runs")
-    store = ClaimStore(settings.db_url, node_id=node, engine_options=options, lock_timeout=2.0)
+    store = ClaimStore(settings.db_url, node_id=node, engine_options=options, lock_timeout=2.0,
+                        db_timeout=settings.db_timeout)
     store.open()
     return store
 

@@ -44,6 +44,17 @@ class StoreUnavailable(RuntimeError):
         first = (str(orig).strip().splitlines() or [""])[0]
         return cls(f"claim store {where}: {type(orig).__name__}: {first}")
 
+    @classmethod
+    def timed_out(cls, where: str, seconds: float, exc: BaseException | None = None) -> "StoreUnavailable":
+        """The call overran ``cluster_beat_db_timeout`` (*seconds*): the server stopped answering,
+        or answers too slowly; *exc* is what the driver said, if it said something else than
+        that its connection was cut."""
+        said = ""
+        if exc is not None:
+            orig = getattr(exc, "orig", None) or exc
+            said = f" ({type(orig).__name__}: {(str(orig).strip().splitlines() or [''])[0]})"
+        return cls(f"claim store {where}: no answer within {seconds:g}s (cluster_beat_db_timeout){said}")
+
 
 class StaleTermError(RuntimeError):
     """A higher leader term is recorded in the database than the one we hold.

@@ -473,7 +473,7 @@ def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url
 
         tables, columns, meta = _schema(raw)
         assert nodes_table.name in tables and "last_sent_occurrence" in columns
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "3"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "4"
         assert meta.get("cluster_id") and store.cluster_id == meta["cluster_id"] == opened[1].cluster_id
 
         rows = [(r.schedule, r.scheduled_at, r.node, r.status, r.term) for r in store.claims()]
@@ -498,7 +498,7 @@ def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url
 
     again = make_store("node-again")
     assert again.cluster_id == meta["cluster_id"]
-    assert _schema(raw)[2]["schema_version"] == "3"
+    assert _schema(raw)[2]["schema_version"] == str(SCHEMA_VERSION)
 
 
 @pytest.mark.parametrize("db_url", ["mysql"], indirect=True)
@@ -514,7 +514,7 @@ def test_a_migration_interrupted_after_its_ddl_is_completed_on_the_next_open(db_
     with raw.begin() as conn:
         conn.exec_driver_sql(f"ALTER TABLE {schedules_table.name} ADD COLUMN last_sent_occurrence DATETIME(6) NULL")
     store = make_store("node-new")
-    assert _schema(raw)[2]["schema_version"] == "3"
+    assert _schema(raw)[2]["schema_version"] == str(SCHEMA_VERSION)
     assert states(store)["a"].sent == 2
 
 

@@ -13,6 +13,7 @@ with it, and overrides it where it cannot or where a plan can go wrong.
 """
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,6 +41,11 @@ Key = tuple[Any, ...]
 KEY_COLUMNS = tuple(claims_table.c[col] for col in CLAIM_KEY)
 
 T = TypeVar("T")
+
+
+def unless_in_query(url: URL, **defaults: Any) -> dict[str, Any]:
+    """The connect arguments of *defaults* that the URL's query does not set itself."""
+    return {key: value for key, value in defaults.items() if key not in url.query}
 
 
 def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -122,6 +128,11 @@ class KeyedUpdate:
     *cols* start with the primary key. *expected* holds the *returning* values
     of all *keys* (same order): the answer when every key matched, which a
     dialect that cannot return rows may use to save a SELECT.
+
+    Exact under concurrency in every dialect: a row matching *cols* and *where*
+    is changed even when another transaction updates other columns of it
+    meanwhile (the worker's ledger writes the run columns of the very rows
+    beat marks sent), and a row whose *cols* or *where* columns changed is not.
     """
 
     cols: Sequence[str]
@@ -148,19 +159,22 @@ class Dialect:
     returning = False
     #: Rows or keys per statement where the store chunks; less on an old SQLite.
     batch = CHUNK
+    #: The session's statement limit (seconds; set by :meth:`install_events`; 0: none).
+    statement_timeout = 0.0
 
     # ---------------------------------------------------------------- connecting
 
-    def engine_options(self, url: URL) -> dict[str, Any]:
-        """``create_engine`` defaults (``connect_args`` included); the user's options override them."""
-        if "connect_timeout" in url.query:
-            return {}
+    def engine_options(self, url: URL, timeout: float) -> dict[str, Any]:
+        """``create_engine`` defaults (``connect_args`` included) for calls bounded by *timeout*
+        seconds; the URL's query and the user's options override them."""
         # A server that does not answer must not hang start-up forever.
-        return {"connect_args": {"connect_timeout": 10}}
+        return {"connect_args": unless_in_query(url, connect_timeout=max(2, math.ceil(timeout)))}
 
-    def install_events(self, engine: Engine, lock_timeout: float) -> None:
-        """Set up every new connection; here: bound its lock waits to *lock_timeout* seconds."""
-        statements = self.session_sql(lock_timeout)
+    def install_events(self, engine: Engine, lock_timeout: float, statement_timeout: float) -> None:
+        """Set up every new connection; here: bound its lock waits to *lock_timeout* seconds and
+        its statements to *statement_timeout* seconds where the server can."""
+        self.statement_timeout = statement_timeout
+        statements = self.session_sql(lock_timeout, statement_timeout)
 
         @sa.event.listens_for(engine, "connect")
         def _server_connect(dbapi_conn: Any, record: Any) -> None:
@@ -174,9 +188,10 @@ class Dialect:
                 cur.close()
             dbapi_conn.commit()
 
-    def session_sql(self, lock_timeout: float) -> list[str]:
-        """The statements that bound a session's lock waits to *lock_timeout* seconds (and
-        whatever else keeps a frozen session from holding others up)."""
+    def session_sql(self, lock_timeout: float, statement_timeout: float) -> list[str]:
+        """The statements that bound a session's lock waits to *lock_timeout* seconds, its
+        statements to *statement_timeout* (and whatever else keeps a frozen session from
+        holding others up)."""
         raise NotImplementedError
 
     def db_now(self, conn: Connection) -> datetime:
@@ -300,8 +315,11 @@ class Dialect:
     # (seconds per chunk). So each dialect uses a shape whose plan cannot go
     # wrong:
     #
-    # * PostgreSQL: a LATERAL primary-key lookup per unnested key driving a
-    #   TID scan (see postgresql.py: PostgreSQLDialect.key_match).
+    # * PostgreSQL: reads and deletes, a LATERAL primary-key lookup per
+    #   unnested key driving a TID scan (PostgreSQLDialect.key_match);
+    #   updates, a join whose only conditions on the claim table are join
+    #   conditions, so it is driven from the keys (update_by_keys: a TID scan
+    #   would miss a row another transaction updated meanwhile).
     # * MySQL/MariaDB: a UNION ALL derived table joined on the primary key
     #   (see mysql.py: MySQLDialect.join).
     # * SQLite: a row-value IN (the default below), which SQLite answers with

@@ -12,6 +12,7 @@ lock wait timeout) and the check for PAD SPACE collations, which would make
 """
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any, Sequence
 
@@ -24,6 +25,7 @@ from ...schedules.occurrence import Occurrence
 from ..schema import CLAIM_KEY, ClaimStatus, claims_table
 from ..types import UTCDateTime, name_collation, naive_utc
 from .base import CHUNK, ClaimValues, Dialect, Key, KeyedUpdate, Merge, chunks, claim_key, is_instant, new_token
+from .base import unless_in_query
 
 
 def _db_value(value: Any) -> Any:
@@ -39,23 +41,32 @@ class MySQLDialect(Dialect):
     #: The collation ignores trailing spaces (see :meth:`check_name`).
     pad_space = False
 
-    def engine_options(self, url: URL) -> dict[str, Any]:
-        base = super().engine_options(url)
+    def engine_options(self, url: URL, timeout: float) -> dict[str, Any]:
+        base = super().engine_options(url, timeout)
+        # PyMySQL waits for a reply for ever by default: a server that accepts and never
+        # answers would hold beat (even its SIGTERM) inside a connect or a statement. The
+        # watchdog (..deadline) cuts a call at the bound; these per-read limits (the server's
+        # greeting included) are the bound where it cannot see the socket: while connecting,
+        # or with a driver that does not show it. Whole seconds: mysqlclient takes integers only.
+        io = max(1, math.ceil(timeout))
         return {
             **base,
             # Fewer gap locks than REPEATABLE READ, so concurrent
             # insert-if-absent of overlapping keys queues instead of deadlocking.
             "isolation_level": "READ COMMITTED",
             "pool_recycle": 3600,  # below the usual wait_timeout
-            # PyMySQL waits for a reply for ever by default: a server that accepts and never
-            # answers would hold beat (even its SIGTERM) inside a connect or a statement.
-            "connect_args": {**base.get("connect_args", {}), "read_timeout": 30, "write_timeout": 30},
+            "connect_args": {**base.get("connect_args", {}),
+                             **unless_in_query(url, read_timeout=io, write_timeout=io)},
         }
 
-    def session_sql(self, lock_timeout: float) -> list[str]:
+    def session_sql(self, lock_timeout: float, statement_timeout: float) -> list[str]:
         # Whole seconds, at least one: the server's granularity. (The MySQL family has no
         # idle-in-transaction limit; a frozen session's locks go with its connection.)
-        return [f"SET SESSION innodb_lock_wait_timeout = {max(1, int(round(lock_timeout)))}"]
+        # MariaDB also bounds every statement (max_statement_time, inside the client's bound),
+        # in a comment only MariaDB executes; MySQL's max_execution_time bounds SELECTs only
+        # and has no such comment, so there the client's bound is the only one.
+        return [f"SET SESSION innodb_lock_wait_timeout = {max(1, int(round(lock_timeout)))}"
+                f" /*M!100108 , max_statement_time = {statement_timeout:.3f} */"]
 
     def db_now(self, conn: Connection) -> datetime:
         return conn.exec_driver_sql("SELECT UTC_TIMESTAMP(6)").scalar_one().replace(tzinfo=UTC)
@@ -65,7 +76,9 @@ class MySQLDialect(Dialect):
         # the pool. MySQL's max_execution_time covers SELECTs only.
         if not self.mariadb:
             return None
-        return f"SET SESSION max_statement_time = {seconds:g}", "SET SESSION max_statement_time = 0"
+        # Back to the session's own bound (session_sql) afterwards, not to none.
+        return (f"SET SESSION max_statement_time = {seconds:g}",
+                f"SET SESSION max_statement_time = {self.statement_timeout:.3f}")
 
     #: The server is MariaDB (it has max_statement_time).
     mariadb = False

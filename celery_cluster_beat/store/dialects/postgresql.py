@@ -5,7 +5,8 @@ parameter per value is slow to bind and to plan, and a join against the keys
 is planned from statistics that are wrong right after a burst. So rows and
 keys travel as one array parameter per column, unnested on the server, and
 keyed statements look each key up through the primary key in a shape whose
-plan cannot go wrong. The stale-row sweep locks what it reads (FOR UPDATE
+plan cannot go wrong (and, for updates, that stays exact when another
+transaction updates the row meanwhile). The stale-row sweep locks what it reads (FOR UPDATE
 SKIP LOCKED), because PostgreSQL re-checks only part of a concurrent UPDATE.
 """
 from __future__ import annotations
@@ -16,13 +17,14 @@ from typing import Any, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import URL, Connection
 
 from ...schedules.instants import UTC
 from ...schedules.occurrence import Occurrence
 from ..schema import CLAIM_KEY, claims_table
 from ..types import UTCDateTime, naive_utc
-from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, chunks, is_instant
+from .base import CHUNK, KEY_COLUMNS, ClaimValues, Dialect, Key, KeyedUpdate, chunks, is_instant, new_token
+from .base import unless_in_query
 
 
 def _unnest(table: sa.Table, cols: Sequence[str], rows: Sequence[Key]) -> Any:
@@ -96,10 +98,23 @@ def _recordset(table: sa.Table, cols: Sequence[str], rows: Sequence[Key]) -> Any
 
 
 class PostgreSQLDialect(Dialect):
-    def session_sql(self, lock_timeout: float) -> list[str]:
+    def engine_options(self, url: URL, timeout: float) -> dict[str, Any]:
+        base = super().engine_options(url, timeout)
+        # The kernel's bounds, for a server whose packets are lost (a partition, a dead host):
+        # unacknowledged data fails the connection after the bound, and keepalive probes find a
+        # dead peer of an idle pooled connection. (A path that accepts and never answers is the
+        # client watchdog's: see ..deadline.)
+        return {"connect_args": {**base["connect_args"], **unless_in_query(
+            url, keepalives=1, keepalives_idle=max(1, int(timeout)), keepalives_interval=max(1, int(timeout / 3)),
+            keepalives_count=3, tcp_user_timeout=int(timeout * 1000))}}
+
+    def session_sql(self, lock_timeout: float, statement_timeout: float) -> list[str]:
         ms = int(lock_timeout * 1000)
         return [
             f"SET lock_timeout = {ms}",
+            # The server's own bound on a statement, inside the client's: a slow one is cancelled
+            # (the connection stays usable) before the watchdog has to cut the connection.
+            f"SET statement_timeout = {max(1, int(statement_timeout * 1000))}",
             # A node frozen inside a transaction (SIGSTOP, a VM pause) would hold the leader
             # row's lock: the server ends such a session, so its successor is not held up.
             f"SET idle_in_transaction_session_timeout = {max(ms * 2, 1000)}",
@@ -169,15 +184,40 @@ class PostgreSQLDialect(Dialect):
         k = _recordset(table, cols, [tuple(r[col] for col in cols) for r in rows])
         return postgresql.insert(table).from_select(cols, sa.select(*(k.c[col] for col in cols))), None
 
+    def update_by_keys(self, conn: Connection, update: KeyedUpdate) -> list[Any]:
+        # UPDATE ... FROM json_to_recordset() joined on every key column, the *where* values
+        # travelling as columns of each key row: the claim table then has no condition of its
+        # own, so the planner can only drive the join from the keys, one primary-key probe
+        # each (a condition like status = 'claimed' alone would be estimated from statistics
+        # that are wrong right after a burst, and the join turned round). And it stays exact
+        # when another transaction updates a row meanwhile (the worker's ledger writes run_*
+        # on purpose while beat marks the row): PostgreSQL re-checks the join, which holds on
+        # the row's newest version as long as its key, node and status do. A ctid-driven
+        # UPDATE (key_match) would skip that row, its newest version having another ctid.
+        c = claims_table
+        where = list(update.where)
+        cols = [*update.cols, *where]
+        k = _recordset(c, cols, [(*key, *update.where.values()) for key in update.keys])
+        values: dict[str, Any] = dict(update.values, op_token=new_token())
+        for col in update.increment:
+            values[col] = c.c[col] + 1
+        stmt = (
+            sa.update(c)
+            .where(*(c.c[col] == k.c[col] for col in cols))
+            .values(values)
+            .returning(*update.returning)
+        )
+        return list(conn.execute(stmt))
+
     def key_match(self, cols: Sequence[str], keys: Sequence[Key]) -> list[Any]:
-        # The keys (one JSON parameter) become rows and each key is looked up through the
+        # For reads and deletes (UPDATEs: update_by_keys above). The keys (one JSON
+        # parameter) become rows and each key is looked up through the
         # primary key in a LATERAL subquery fenced with OFFSET 0 (the only
         # index its conditions can use is the primary key); the row ids found
-        # drive a TID scan. Conditions on the row's *current* state (node,
-        # status) stay in the outer WHERE, which PostgreSQL re-evaluates on
-        # the newest row version if a concurrent transaction changed it, so
-        # the result stays exact under concurrency. (Why not an IN list or a
-        # plain join: see the comment above Dialect.key_match.)
+        # drive a TID scan. A row another transaction changes meanwhile has a
+        # new ctid and is left out: harmless for a read (its snapshot) and for
+        # pruning (the next pass). (Why not an IN list or a plain join: see
+        # the comment above Dialect.key_match.)
         c = claims_table
         doc = _json_rows(cols, keys)
         if doc is None:  # keys are names and aware instants; anything else is a bug, never "no rows"
@@ -193,10 +233,9 @@ class PostgreSQLDialect(Dialect):
         ]
 
     def lock_stale(self, query: sa.Select[Any]) -> sa.Select[Any]:
-        # PostgreSQL re-checks only the outer WHERE of take_over_stale's
-        # UPDATE on a concurrently changed row, and the old node/claimed_at
-        # live in its key lookup (key_match); locking the rows here (skipping
-        # those another sweeper holds) makes the adoption exact. MySQL's join
-        # re-reads the locked row in full, and SQLite writers are serialized
-        # already, so they need no lock here.
+        # Locking the stale rows as they are read (skipping those another
+        # sweeper holds) keeps sweepers from queueing on each other's rows; the
+        # UPDATE's re-check of its join (update_by_keys) keeps the adoption
+        # exact anyway. MySQL's join re-reads the locked row in full, and
+        # SQLite writers are serialized already, so they need no lock here.
         return query.with_for_update(skip_locked=True, of=claims_table)

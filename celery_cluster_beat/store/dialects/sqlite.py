@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .base import CHUNK, Dialect
+from .base import CHUNK, Dialect, unless_in_query
 
 #: Execution option marking a connection whose transaction will write.
 _WRITE = "ccb_write"
@@ -34,10 +34,17 @@ class SQLiteDialect(Dialect):
         conn.exec_driver_sql(f"INSERT INTO {table.name} (name, registered_at, updated_at) VALUES (?, ?, ?) "
                              "ON CONFLICT (name) DO NOTHING", [(name, at, at) for name in names])
 
-    def engine_options(self, url: URL) -> dict[str, Any]:
-        return {}  # a file: no server to time out on
+    def engine_options(self, url: URL, timeout: float) -> dict[str, Any]:
+        # A file: no server to time out on, only the other processes' locks. The sqlite3
+        # module's busy timeout covers connecting (and the WAL switch below) until the
+        # PRAGMA sets the session's; both stay within the call's bound.
+        return {"connect_args": unless_in_query(url, timeout=timeout)}
 
-    def install_events(self, engine: Engine, lock_timeout: float) -> None:
+    def install_events(self, engine: Engine, lock_timeout: float, statement_timeout: float) -> None:
+        self.statement_timeout = statement_timeout
+        # No statement limit in SQLite; the lock waits stay inside the call's bound.
+        busy = min(lock_timeout, statement_timeout)
+
         @sa.event.listens_for(engine, "connect")
         def _sqlite_connect(dbapi_conn: Any, record: Any) -> None:
             # Take transaction control from the sqlite3 module (it would
@@ -47,7 +54,7 @@ class SQLiteDialect(Dialect):
             try:
                 # busy_timeout first: switching to WAL needs a lock that
                 # another process opening the file may hold.
-                cur.execute(f"PRAGMA busy_timeout = {int(lock_timeout * 1000)}")
+                cur.execute(f"PRAGMA busy_timeout = {max(1, int(busy * 1000))}")
                 # Several local beat processes share the file: WAL lets
                 # readers run beside the single writer.
                 cur.execute("PRAGMA journal_mode = WAL")

@@ -9,6 +9,11 @@ it and published at it, so a burst's claim is off the time to its last message.
 A store failure puts what was popped back into the queue, so the retry applies the
 catch-up policy. Buffered runs (``buffer_one``) whose predecessor finished go out here too.
 
+One schedule's trouble stays its own: when its next fire or its catch-up plan cannot be
+computed, or its (stored) definition is refused (:attr:`Entry.refused`), its occurrence is
+recorded ``failed`` with the reason, and every other schedule of the pass is planned and sent
+as if it were not there.
+
 Apart from the rest because this is the path every fire takes, where time matters:
 it only reads the queue and the entries, and leaves what is held in memory to
 :mod:`.stored` (it hands schedules that moved past the horizon to it).
@@ -18,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import faults
 from ..config import Entry, OverlapPolicy
@@ -40,6 +45,8 @@ CLAIM_AHEAD = timedelta(seconds=0.5)
 
 Due = Tuple[Entry, datetime, bool]
 Leaving = Tuple[str, int, datetime]
+#: An occurrence that ends ``failed`` without being sent, and why.
+Failed = Tuple[Entry, Occurrence, str]
 
 
 class DuePass:
@@ -57,26 +64,49 @@ class DuePass:
         queue = self.node.queue
         return bool(queue) and queue.peek()[0] <= self.node.clock.now() + self.claim_ahead
 
-    def _pop_due(self, now: datetime) -> Tuple[List[Due], List[Leaving]]:
-        """Due entries with their first due instant and whether that is the only one due; and the
-        stored schedules whose next fire is past the horizon, to hand back to SQL."""
+    def _pop_due(self, now: datetime) -> Tuple[List[Due], List[Leaving], List[Failed]]:
+        """Due entries with their first due instant and whether that is the only one due; the
+        stored schedules whose next fire is past the horizon, to hand back to SQL; and the
+        occurrences of schedules whose next fire cannot be computed (they leave the queue)."""
         due = []
         leaving: List[Leaving] = []
+        failed: List[Failed] = []
         queue = self.node.queue
         entries = self.node.entries
         horizon = self.stored.horizon
         while queue and queue.peek()[0] <= now:
             at, name = queue.peek()
             entry = entries[name]
-            nxt = entry.schedule.next_fire(at)
-            single = nxt > now
-            if not single:
-                nxt = entry.schedule.next_fire(now)  # forward from now: a stall never builds a backlog
+            try:
+                nxt = entry.schedule.next_fire(at)
+                single = nxt > now
+                if not single:
+                    nxt = entry.schedule.next_fire(now)  # forward from now: a stall never builds a backlog
+            except Exception as exc:  # its rule cannot go on (past what datetime holds): it stops here, said
+                queue.remove(name)
+                reason = f"its next occurrence cannot be computed ({exc.__class__.__name__}: {exc})"
+                logger.error("cluster-beat: %s stops firing: %s", name, reason)
+                failed.append((entry, Occurrence(entry.name, at), reason))
+                continue
             queue.set(name, nxt)
             if entry.stored_version is not None and horizon is not None and nxt >= horizon:
                 leaving.append((name, entry.stored_version, nxt))
             due.append((entry, at, single))
-        return due, leaving
+        return due, leaving, failed
+
+    def _plan(self, entry: Entry, at: datetime, single: bool, now: datetime) -> Tuple[List[datetime], Any]:
+        """The instants of *entry* to send from its first due instant *at*, and the catch-up plan
+        they come from (None when on time). Raises what computing the plan raises."""
+        if single and now - at <= ON_TIME:
+            return [at], None  # the usual case: one occurrence, on time
+        s = self.node.settings
+        plan = plan_catchup(
+            entry.schedule, at - TINY, now,
+            policy=entry.catchup or s.catchup,
+            window=entry.catchup_window if entry.catchup_window is not None else s.catchup_window,
+            max_count=s.catchup_max,
+        )
+        return plan.send, plan
 
     def run(self) -> None:
         node = self.node
@@ -85,7 +115,8 @@ class DuePass:
         if head > now:  # up to CLAIM_AHEAD early: claim this instant's occurrences now, send them at it
             self._run_ahead(head)
             return
-        due, leaving = self._pop_due(now)
+        due, leaving, failed = self._pop_due(now)
+        todo = due + [(entry, occ.at, True) for entry, occ, _ in failed]  # what a store failure puts back
         s = node.settings
         claim: List[Tuple[Entry, Occurrence]] = []
         missed: List[Occurrence] = []
@@ -93,17 +124,21 @@ class DuePass:
         catchup: set = set()  # sent late, after a stop: the task can tell (its occurrence context)
         truncated = 0
         for entry, at, single in due:
-            if single and now - at <= ON_TIME:
-                claim.append((entry, Occurrence(entry.name, at)))  # the usual case: one occurrence, on time
+            try:
+                send, plan = self._plan(entry, at, single, now)
+            except Exception as exc:  # this schedule's plan only: the others of the pass go on
+                reason = f"catch-up planning failed ({exc.__class__.__name__}: {exc})"
+                logger.error("cluster-beat: %s at %s: %s", entry.name, at.isoformat(), reason)
+                failed.append((entry, Occurrence(entry.name, at), reason))
+                continue
+            if entry.refused:  # its instants are known, its definition is not to be sent
+                failed.extend((entry, Occurrence(entry.name, t), entry.refused) for t in send)
+                send = []
+            if plan is None:
+                claim.extend((entry, Occurrence(entry.name, t)) for t in send)
                 continue
             policy = entry.catchup or s.catchup
-            plan = plan_catchup(
-                entry.schedule, at - TINY, now,
-                policy=policy,
-                window=entry.catchup_window if entry.catchup_window is not None else s.catchup_window,
-                max_count=s.catchup_max,
-            )
-            sent_late = [(entry, Occurrence(entry.name, t)) for t in plan.send]
+            sent_late = [(entry, Occurrence(entry.name, t)) for t in send]
             claim.extend(sent_late)
             catchup.update(occ for _, occ in sent_late)
             missed.extend(Occurrence(entry.name, t) for t in plan.missed)
@@ -121,15 +156,33 @@ class DuePass:
                            ", ..." if len(names) > 5 else "",
                            f"; {truncated} schedule(s) missed more than the {CATCHUP_RECORD_LIMIT} recorded"
                            if truncated else "")
-        self._claim_due(due, leaving, lambda: self._send_due(missed, claim, now, catchup))
+        self._claim_due(todo, leaving, lambda: self._send_due(missed, claim, now, catchup, failed))
 
     def _send_due(self, missed: List[Occurrence], claim: List[Tuple[Entry, Occurrence]], now: datetime,
-                  catchup: set) -> None:
+                  catchup: set, failed: List[Failed]) -> None:
         node = self.node
+        self._record_failed(failed)
         if missed:
             for occ in node.store.record(missed, status=ClaimStatus.MISSED, reason="catchup", term=node.term()):
                 node.report(Outcome.MISSED, occ, "catchup")
         node.pipeline.claim_and_send(claim, now, catchup=frozenset(catchup))
+
+    def _record_failed(self, failed: List[Failed]) -> None:
+        """Record occurrences that end ``failed`` unsent, each with its reason, the way a publish
+        that failed for good is recorded: claimed (fenced, so no other node sends it), then marked
+        failed (the schedule's ``last_error`` and ``failed`` counter with it). A row another node
+        holds is left to it; one this node claimed on an earlier try is marked now."""
+        if not failed:
+            return
+        node = self.node
+        by_reason: Dict[str, List[Occurrence]] = {}
+        for _, occ, reason in failed:
+            by_reason.setdefault(reason, []).append(occ)
+        for reason, occs in by_reason.items():
+            node.store.claim(occs, term=node.term(), reason=reason)
+            for occ in occs:
+                if node.store.mark_failed(occ, reason, final=True):
+                    node.report(Outcome.FAILED, occ, reason)
 
     def _run_ahead(self, instant: datetime) -> None:
         """Claim the occurrences due at *instant* (a moment away) now and publish them at it.
@@ -141,11 +194,13 @@ class DuePass:
         taken over before its instant (ClaimStore.take_over_stale).
         """
         node = self.node
-        due, leaving = self._pop_due(instant)
+        due, leaving, failed = self._pop_due(instant)
+        todo = due + [(e, occ.at, True) for e, occ, _ in failed]  # what a store failure puts back into the queue
+        failed.extend((e, Occurrence(e.name, at), e.refused) for e, at, _ in due if e.refused)
+        due = [d for d in due if not d[0].refused]
         policy = node.guard.policy
         ahead = [(e, Occurrence(e.name, at)) for e, at, _ in due if policy(e) == OverlapPolicy.ALLOW]
         guarded = [d for d in due if policy(d[0]) != OverlapPolicy.ALLOW]
-        todo = list(due)  # what a store failure puts back into the queue
 
         def send() -> None:
             won = node.pipeline.claim(ahead, instant)
@@ -165,7 +220,9 @@ class DuePass:
                 node.pipeline.send(*won)
             if stop is not None:
                 raise stop
-            todo[:] = guarded  # the rest is the pipeline's now (sent, retried or left to the sweep)
+            todo[:] = guarded + [(e, occ.at, True) for e, occ, _ in failed]  # the rest is the pipeline's now
+            self._record_failed(failed)
+            todo[:] = guarded
             node.pipeline.claim_and_send([(e, Occurrence(e.name, at)) for e, at, _ in guarded], node.clock.now())
 
         self._claim_due(todo, leaving, send)

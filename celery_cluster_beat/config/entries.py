@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..base import MAX_NAME_LENGTH
 from ..errors import ConfigError, ScheduleError
 from ..schedules import ClusterSchedule, as_schedule
-from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
+from .values import (MAX_SECONDS, MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem,
+                     shown, text_problem)
 
 CELERY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
 OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description")
@@ -35,6 +36,9 @@ class Entry:
     catchup_window: Optional[float] = None
     enabled: bool = True
     description: str = ""
+    #: Why this (stored) entry must not be sent, though its instants are known: a field out of range
+    #: in its row (written by hand or by another release). Each occurrence ends ``failed`` with it.
+    refused: Optional[str] = None
     #: Where the entry comes from: None for ``beat_schedule``; for a stored schedule the
     #: version of its definition (the leader's writes about it are conditional on it).
     stored_version: Optional[int] = None
@@ -42,6 +46,10 @@ class Entry:
     # Celery's ScheduleEntry exposes these; tools that read beat's schedule expect them.
     last_run_at: Optional[datetime] = None
     total_run_count: int = 0
+
+
+#: Options Celery reads as seconds (a number; ``expires`` may also be a datetime).
+_SECONDS_OPTIONS = ("expires", "countdown", "time_limit", "soft_time_limit")
 
 
 def _check_options(options: Any) -> Optional[str]:
@@ -52,12 +60,33 @@ def _check_options(options: Any) -> Optional[str]:
         return f"headers: expected a dict, got {type(headers).__name__}"
     priority = options.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255):
-        return f"priority: expected an integer 0-255, got {priority!r}"
+        return f"priority: expected an integer 0-255, got {shown(priority)}"
     for key in ("queue", "routing_key"):
         value = options.get(key)
         if value is not None and not isinstance(value, str) and not hasattr(value, "name"):
-            return f"{key}: expected a string, got {value!r}"
+            return f"{key}: expected a string, got {shown(value)}"
+    for key in _SECONDS_OPTIONS:  # built into every message: out of range, each send would fail
+        value = options.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            reason = seconds_problem(value, zero_ok=True)
+            if reason:
+                return f"{key}: {reason}"
     return None
+
+
+def _check_schedule(spec: Any, app: Any) -> Tuple[Optional[ClusterSchedule], Optional[str]]:
+    """The entry's schedule, or why it cannot be one (never an exception: a number too big for
+    an interval is bad input like any other)."""
+    try:
+        schedule = as_schedule(spec, app=app)
+    except ScheduleError as exc:
+        return None, str(exc)
+    except (OverflowError, ValueError, TypeError, ArithmeticError) as exc:
+        return None, f"cannot be read as a schedule ({exc.__class__.__name__}: {exc})"
+    step = getattr(schedule, "step_us", None)
+    if isinstance(step, int) and step > MAX_SECONDS * 1_000_000:  # its next fires leave datetime's range
+        return None, f"interval longer than {MAX_SECONDS:.0f} s (100 years)"
+    return schedule, None
 
 
 _CELERY_KEYS = frozenset(CELERY_KEYS)
@@ -76,14 +105,16 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
     problems: List[str] = []
 
     def bad(field_name: str, reason: str) -> None:
-        problems.append(f"{label} {name!r}: {field_name}: {reason}")
+        problems.append(f"{label} {shown(name, 300)}: {field_name}: {reason}")
 
     if not isinstance(name, str) or not name:
-        return None, [f"{label} {name!r}: name: expected a non-empty string"]
-    if len(name) > MAX_NAME_LENGTH:
-        bad("name", f"longer than {MAX_NAME_LENGTH} characters")
+        return None, [f"{label} {shown(name)}: name: expected a non-empty string"]
+    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string")
+    if reason:  # the claim table's key: what it cannot hold exactly must not reach it
+        bad("name", reason)
     if not isinstance(spec, (dict, Mapping)):  # a dict first: the ABC check is the slow one
-        return None, [f"{label} {name!r}: expected a dict with 'task' and 'schedule', got {type(spec).__name__}"]
+        return None, [f"{label} {shown(name, 300)}: expected a dict with 'task' and 'schedule', "
+                      f"got {type(spec).__name__}"]
     ours = False  # any of our own keys: only then are they checked one by one
     for key in spec:
         if key in _CELERY_KEYS:
@@ -93,22 +124,24 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
         else:
             bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")
     task = spec.get("task")
-    if not isinstance(task, str) or not task:
-        bad("task", f"expected a task name, got {task!r}")
+    reason = text_problem(task, limit=MAX_NAME_LENGTH, what="a task name")
+    if reason:
+        bad("task", reason)
     schedule = None
     if "schedule" not in spec:
         bad("schedule", "missing")
     else:
-        try:
-            schedule = as_schedule(spec["schedule"], app=app)
-        except ScheduleError as exc:
-            bad("schedule", str(exc))
+        schedule, reason = _check_schedule(spec["schedule"], app)
+        if reason:
+            bad("schedule", reason)
     args = spec.get("args") or ()
     if not isinstance(args, (list, tuple)):
         bad("args", f"expected a list or tuple, got {type(args).__name__}")
     kwargs = spec.get("kwargs") or {}
     if not isinstance(kwargs, (dict, Mapping)):
         bad("kwargs", f"expected a dict, got {type(kwargs).__name__}")
+    elif not all(isinstance(k, str) for k in kwargs):
+        bad("kwargs", "keyword names must be strings")
     options = spec.get("options") or {}
     reason = _check_options(options) if options else None
     if reason:
@@ -127,10 +160,11 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
                 bad(key, reason)
         enabled = spec.get("enabled", True)
         if not isinstance(enabled, bool):
-            bad("enabled", f"expected True or False, got {enabled!r}")
+            bad("enabled", f"expected True or False, got {shown(enabled)}")
         description = spec.get("description") or ""
-        if not isinstance(description, str):
-            bad("description", f"expected a string, got {type(description).__name__}")
+        reason = text_problem(description, limit=MAX_TEXT_BYTES, what="a string", free=True)
+        if reason:
+            bad("description", reason)
     if problems:
         return None, problems
     return (

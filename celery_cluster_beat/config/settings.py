@@ -13,12 +13,13 @@ from typing import Any, Callable, List, Optional
 
 from ..base import MAX_NODE_ID_LENGTH
 from ..errors import ConfigError
-from ..leader.urls import mask_url
+from ..leader.urls import MASK, mask_url
 from ..schedules.celery_types import local_zone
 from ..schedules.errors import ScheduleError
 from ..schedules.tzwall import get_zone
 from .celeryconf import RedisOptions, default_redis_url, redis_options
-from .values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
+from .values import (MAX_CATCHUP, CatchupPolicy, OverlapPolicy, choice_problem, count_problem, seconds_problem,
+                     shown, text_problem)
 
 DEFAULT_DB_URL = "sqlite:///celerybeat-cluster.sqlite3"
 #: Celery's default ``beat_schedule_filename``: with it (or none) the claim file keeps the name above.
@@ -59,10 +60,16 @@ class Settings:
     http_host: str = "127.0.0.1"
     #: Whether metrics carry a ``schedule`` label (off for large schedule sets).
     metrics_per_schedule: bool = True
+    #: Whether the HTTP server shows the status page and /metrics (False: /healthz alone).
+    http_page: bool = True
+    #: Bearer token the page and /metrics require (None: none); never printed.
+    http_token: Optional[str] = None
+    #: Seconds any one claim-database call may take, connecting included (beat, worker ledger, API, CLI).
+    db_timeout: float = 15.0
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
-            f"{f.name}={mask_url(v) if f.name.endswith('_url') and v else v!r}"
+            f"{f.name}={mask_url(v) if f.name.endswith('_url') and v else MASK if f.name == 'http_token' and v else v!r}"
             for f in fields(self) for v in (getattr(self, f.name),)
         )
         return f"Settings({shown})"
@@ -136,17 +143,19 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
             problems.extend(exc.problems)
             db_url = DEFAULT_DB_URL
     if not isinstance(db_url, str) or "://" not in db_url:
-        problems.append(f"setting cluster_beat_db_url: expected an SQLAlchemy URL, got {db_url!r}")
+        problems.append(f"setting cluster_beat_db_url: expected an SQLAlchemy URL, got {mask_url(repr(db_url))}")
 
     node_id = get("cluster_beat_node_id") or f"{socket.gethostname()}:{os.getpid()}"
-    if not isinstance(node_id, str) or len(node_id) > MAX_NODE_ID_LENGTH:
+    reason = text_problem(node_id, limit=MAX_NODE_ID_LENGTH, what="a node name")
+    if reason:  # it is written in the claim table's node columns
         problems.append(f"setting cluster_beat_node_id: expected a string of at most "
-                        f"{MAX_NODE_ID_LENGTH} characters, got {node_id!r}")
+                        f"{MAX_NODE_ID_LENGTH} characters, got {shown(node_id)}: {reason}")
 
     cluster_name = get("cluster_beat_cluster_name") or app_name or "celery"
-    if not isinstance(cluster_name, str) or len(cluster_name) > MAX_CLUSTER_NAME_LENGTH:
+    reason = text_problem(cluster_name, limit=MAX_CLUSTER_NAME_LENGTH, what="a cluster name")
+    if reason:
         problems.append(f"setting cluster_beat_cluster_name: expected a string of at most "
-                        f"{MAX_CLUSTER_NAME_LENGTH} characters, got {cluster_name!r}")
+                        f"{MAX_CLUSTER_NAME_LENGTH} characters, got {shown(cluster_name)}: {reason}")
 
     lock_ttl = seconds("cluster_beat_lock_ttl", 5.0)
     if lock_ttl is not None and lock_ttl < 0.5:
@@ -177,8 +186,9 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         catchup_window = seconds("beat_cron_starting_deadline", None)
     catchup_max = get("cluster_beat_catchup_max")
     catchup_max = 100 if catchup_max is None else catchup_max
-    if isinstance(catchup_max, bool) or not isinstance(catchup_max, int) or catchup_max < 1:
-        problems.append(f"setting cluster_beat_catchup_max: expected a positive integer, got {catchup_max!r}")
+    reason = count_problem(catchup_max, limit=MAX_CATCHUP)
+    if reason:
+        problems.append(f"setting cluster_beat_catchup_max: {reason}")
     overlap_default = OverlapPolicy.SKIP if has_result_backend() else OverlapPolicy.ALLOW
     overlap = choice("cluster_beat_overlap", overlap_default, OverlapPolicy)
     overlap_explicit = bool(get("cluster_beat_overlap"))
@@ -187,19 +197,34 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
     retention = seconds("cluster_beat_claim_retention", 7 * 86400.0)
     prune_interval = seconds("cluster_beat_prune_interval", 60.0)
     claim_grace = seconds("cluster_beat_claim_grace", 10.0)
+    try:
+        db_timeout = db_timeout_setting(conf)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        db_timeout = None
     http_port = get("cluster_beat_http_port")
     if http_port is not None and (isinstance(http_port, bool) or not isinstance(http_port, int)
                                   or not 0 <= http_port <= 65535):
         problems.append(f"setting cluster_beat_http_port: expected a port number 0-65535 (0: any free port) "
-                        f"or None (no HTTP server), got {http_port!r}")
+                        f"or None (no HTTP server), got {shown(http_port)}")
     http_host = get("cluster_beat_http_host")
     http_host = "127.0.0.1" if http_host is None else http_host
     if not isinstance(http_host, str) or not http_host.strip():
-        problems.append(f"setting cluster_beat_http_host: expected an address to bind to, got {http_host!r}")
+        problems.append(f"setting cluster_beat_http_host: expected an address to bind to, got {shown(http_host)}")
     per_schedule = get("cluster_beat_metrics_per_schedule")
     per_schedule = True if per_schedule is None else per_schedule
     if not isinstance(per_schedule, bool):
-        problems.append(f"setting cluster_beat_metrics_per_schedule: expected True or False, got {per_schedule!r}")
+        problems.append(f"setting cluster_beat_metrics_per_schedule: expected True or False, got {shown(per_schedule)}")
+    http_page = get("cluster_beat_http_page")
+    http_page = True if http_page is None else http_page
+    if not isinstance(http_page, bool):
+        problems.append(f"setting cluster_beat_http_page: expected True or False (False: /healthz alone), "
+                        f"got {type(http_page).__name__}")
+    http_token = get("cluster_beat_http_token") or None
+    if http_token is not None and (not isinstance(http_token, str) or len(http_token) < 16
+                                   or not http_token.isascii() or not http_token.isprintable() or " " in http_token):
+        problems.append("setting cluster_beat_http_token: expected a string of at least 16 printable ASCII "
+                        "characters without spaces, or None (no token)")  # the value itself is never shown
     zone = get("timezone")  # entries without a zone of their own follow it: check it before anything opens
     if isinstance(zone, str) and zone:
         try:
@@ -234,4 +259,27 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         http_port=http_port,
         http_host=http_host,
         metrics_per_schedule=per_schedule,
+        http_page=http_page,
+        http_token=http_token,
+        db_timeout=db_timeout,
     )
+
+
+#: ``cluster_beat_db_timeout``'s default and range (seconds). The same default as the store's
+#: (store.deadline.DEFAULT_DB_TIMEOUT), which a ClaimStore built without the setting uses.
+DEFAULT_DB_TIMEOUT = 15.0
+DB_TIMEOUT_RANGE = (0.5, 86400.0)
+
+
+def db_timeout_setting(conf: Any) -> float:
+    """``cluster_beat_db_timeout`` of Celery's *conf*, checked: what the worker's ledger store reads
+    (it loads no other setting). :class:`ConfigError` naming the setting when it is wrong."""
+    value = conf.get("cluster_beat_db_timeout")
+    value = DEFAULT_DB_TIMEOUT if value is None else value
+    problem = seconds_problem(value)
+    low, high = DB_TIMEOUT_RANGE
+    if problem is None and not low <= value <= high:
+        problem = f"must be from {low:g} to {high:g} s, got {value!r}"
+    if problem:
+        raise ConfigError(f"setting cluster_beat_db_timeout: {problem}")
+    return float(value)

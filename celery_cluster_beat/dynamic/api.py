@@ -40,10 +40,12 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from ..config.celeryconf import default_entries
 from ..config.observing import configuration_problems
+from ..base import MAX_NAME_LENGTH
 from ..config.settings import Settings, load_settings
+from ..config.values import MAX_TEXT_BYTES, shown, text_problem
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
 from ..schedules.celery_types import app_zone, as_schedule
-from ..schedules.tzwall import zone_name
+from ..schedules.tzwall import get_zone, zone_name
 from ..schedules.text import parse_schedule_text, schedule_text
 from ..store import ClaimStore
 from ..store.stored import DEFINITION, StoredRow
@@ -51,6 +53,42 @@ from .convert import LABEL, POLICY_KEYS, entry_from_row, round_trips, to_json
 
 #: What :meth:`StoredSchedules.update` may change.
 FIELDS = ("task", "schedule", "args", "kwargs", "options", *POLICY_KEYS, "owner", "enabled")
+#: ... and the zone of its rule (``tz``), which otherwise stays what it was.
+UPDATE_FIELDS = (*FIELDS, "tz")
+#: Width of the zone column (schema: ``zone``).
+MAX_ZONE_LENGTH = 64
+
+
+def _name_problem(name: Any) -> Optional[str]:
+    """Why *name* cannot be a stored schedule's name (it keys the claim table); None when it can."""
+    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string")
+    return f"{LABEL} {shown(name, 300)}: name: {reason}" if reason else None
+
+
+def _schedule_text(name: str, value: Any) -> Tuple[str, Optional[str]]:
+    """``(text, zone)`` of a schedule given to the API; ConfigError naming the field when it is bad
+    (a number too big for an interval included: bad input, never another exception)."""
+    try:
+        return schedule_text(value)
+    except ScheduleError as exc:
+        raise ConfigError(f"{LABEL} {name!r}: schedule: {exc}") from None
+    except (OverflowError, ValueError, TypeError, ArithmeticError) as exc:
+        raise ConfigError(f"{LABEL} {name!r}: schedule: cannot be read as a schedule "
+                          f"({exc.__class__.__name__}: {exc})") from None
+
+
+def _zone_of(name: str, tz: Any) -> Optional[str]:
+    """The zone name *tz* (a name, a zone with a key, or None: the app's); ConfigError when unknown."""
+    if tz is None:
+        return None
+    key = tz if isinstance(tz, str) else getattr(tz, "key", None)
+    if not isinstance(key, str) or len(key) > MAX_ZONE_LENGTH:
+        raise ConfigError(f"{LABEL} {name!r}: tz: expected an IANA zone name, got {shown(tz)}")
+    try:
+        get_zone(key)
+    except ScheduleError as exc:
+        raise ConfigError(f"{LABEL} {name!r}: tz: {exc}") from None
+    return key
 
 
 @dataclass(frozen=True)
@@ -105,7 +143,7 @@ class StoredSchedules:
         self.settings: Settings = load_settings(app.conf, has_result_backend=lambda: False, app_name=app.main)
         url = db_url or self.settings.db_url
         node = f"api:{socket.gethostname()}:{os.getpid()}"
-        self._store = ClaimStore(url, node_id=node[:255])
+        self._store = ClaimStore(url, node_id=node[:255], db_timeout=self.settings.db_timeout)
         self._notices: Any = None
         self._opened = False
 
@@ -143,8 +181,9 @@ class StoredSchedules:
 
     def _definition(self, name: str, values: Mapping[str, Any]) -> Dict[str, Any]:
         """A row's definition columns from API values, validated like a beat_schedule entry."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{LABEL} {name!r}: name: expected a non-empty string")
+        problem = _name_problem(name)
+        if problem:
+            raise ConfigError(problem)
         if name in self._static_names():
             raise ConfigError(f"{LABEL} {name!r}: name: the Celery config's beat_schedule has an entry "
                               f"{name!r} already; stored and configured schedules share one namespace")
@@ -152,10 +191,9 @@ class StoredSchedules:
         if unknown:
             raise ConfigError(f"{LABEL} {name!r}: {unknown[0]}: unknown field (known: {', '.join(FIELDS)})")
         row: Dict[str, Any] = {"name": name}
-        try:
-            row["schedule"], row["zone"] = schedule_text(values["schedule"])
-        except ScheduleError as exc:
-            raise ConfigError(f"{LABEL} {name!r}: schedule: {exc}") from None
+        row["schedule"], row["zone"] = _schedule_text(name, values["schedule"])
+        if row["zone"] is not None and len(row["zone"]) > MAX_ZONE_LENGTH:
+            raise ConfigError(f"{LABEL} {name!r}: schedule: zone name longer than {MAX_ZONE_LENGTH} characters")
         if row["zone"] is None and (not row["schedule"].startswith("every") or " from " in row["schedule"]):
             # A wall-clock rule without a zone of its own is stored in the app's zone, so the leader
             # reads it in the zone it was written for, whatever its own timezone setting says.
@@ -169,21 +207,31 @@ class StoredSchedules:
                 raise ConfigError(f"{LABEL} {name!r}: {key}: expected a dict, got {type(value).__name__}")
             text = to_json(name, key, value)
             round_trips(name, key, value, text)
+            if len(text) > MAX_TEXT_BYTES:  # JSON here is ASCII: characters are bytes
+                raise ConfigError(f"{LABEL} {name!r}: {key}: {len(text)} bytes as JSON, more than the "
+                                  f"{MAX_TEXT_BYTES} the claim database keeps")
             row[key] = text
         row["task"] = values.get("task")
         for key in POLICY_KEYS:
             value = values.get(key)
             row[key] = getattr(value, "value", value)  # an enum member is stored as its text
-        row["description"] = row["description"] or None
+        description = row["description"]
+        if description is not None and not isinstance(description, str):  # not "" for a 0 or a False
+            raise ConfigError(f"{LABEL} {name!r}: description: expected a string, got {shown(description)}")
+        row["description"] = description or None
         owner = values.get("owner")
-        if owner is not None and (not isinstance(owner, str) or len(owner) > 255):
-            raise ConfigError(f"{LABEL} {name!r}: owner: expected a string of at most 255 characters, got {owner!r}")
+        reason = None if owner is None else text_problem(owner, limit=MAX_NAME_LENGTH, what="a string")
+        if reason:
+            raise ConfigError(f"{LABEL} {name!r}: owner: expected a string of at most {MAX_NAME_LENGTH} "
+                              f"characters: {reason}")
         row["owner"] = owner
         row["enabled"] = values.get("enabled", True)
         # The exact checks (and messages) of a beat_schedule entry, on what would be stored.
         entry = entry_from_row(StoredRow(**{k: row[k] for k in DEFINITION}, deleted=False, version=0,
                                          created_at=None, changed_at=None, next_at=None),  # type: ignore[arg-type]
                                app=self.app)
+        if entry.refused:  # read back from a row, such a value is left to the setting; here it is refused
+            raise ConfigError(entry.refused)
         problems = configuration_problems(self.app, self.settings, [entry], label=LABEL)
         if problems:  # an explicit guard on runs nothing can observe would block it silently
             raise ConfigError(problems)
@@ -256,21 +304,36 @@ class StoredSchedules:
 
     def update(self, name: str, **fields: Any) -> StoredSchedule:
         """Change the given fields of a stored schedule; the rest stay. Its next occurrence is
-        computed from now. :class:`UnknownSchedule` when there is none of that name."""
-        unknown = sorted(set(fields) - set(FIELDS))
+        computed from now. :class:`UnknownSchedule` when there is none of that name.
+
+        The zone stays too: a new rule without a zone of its own (``"30 8 * * 1-5"``) is read in
+        the schedule's zone, not the app's. ``tz="Europe/Paris"`` changes the zone (with or without
+        a new rule); ``tz=None`` makes it follow the app's ``timezone`` setting at the time of the change."""
+        problem = _name_problem(name)
+        if problem:
+            raise ConfigError(problem)
+        unknown = sorted(set(fields) - set(UPDATE_FIELDS))
         if unknown:
-            raise ConfigError(f"{LABEL} {name!r}: {unknown[0]}: unknown field (known: {', '.join(FIELDS)})")
-        if "schedule" in fields:  # validate the new fields before taking any lock
-            try:
-                schedule_text(fields["schedule"])
-            except ScheduleError as exc:
-                raise ConfigError(f"{LABEL} {name!r}: schedule: {exc}") from None
+            raise ConfigError(f"{LABEL} {name!r}: {unknown[0]}: unknown field (known: {', '.join(UPDATE_FIELDS)})")
+        given = dict(fields)
+        zone_given = "tz" in given
+        tz = _zone_of(name, given.pop("tz", None))
+        if "schedule" in given:  # validate the new fields before taking any lock
+            _schedule_text(name, given["schedule"])
 
         def change(live: Dict[str, StoredRow], now: datetime) -> Tuple[List[Dict[str, Any]], List[str]]:
             if name not in live:
                 raise UnknownSchedule(name)
             values = self._values(live[name])
-            values.update(fields)
+            new = dict(given)
+            if "schedule" in new or zone_given:
+                text, zone = _schedule_text(name, new.get("schedule", values["schedule"]))
+                if zone_given:
+                    zone = tz
+                elif zone is None:  # a rule without a zone of its own keeps the schedule's zone
+                    zone = live[name].zone
+                new["schedule"] = parse_schedule_text(text, zone)
+            values.update(new)
             return [self._definition(name, values)], []
 
         self._change([name], change)
@@ -286,6 +349,8 @@ class StoredSchedules:
 
     def remove(self, name: str) -> bool:
         """Remove a stored schedule; False when there was none of that name."""
+        if _name_problem(name):
+            return False
         removed: List[bool] = []
 
         def change(live: Dict[str, StoredRow], now: datetime) -> Tuple[List[Dict[str, Any]], List[str]]:
@@ -297,6 +362,8 @@ class StoredSchedules:
 
     def get(self, name: str) -> Optional[StoredSchedule]:
         """The stored schedule *name*, or None."""
+        if _name_problem(name):  # no schedule can have it: the database is not asked
+            return None
         try:
             return self._read(name)
         except UnknownSchedule:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..config.entries import Entry, build_entry
+from ..config.values import CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
 from ..errors import ConfigError, ScheduleError
 from ..schedules.text import parse_schedule_text
 from ..store.stored import StoredRow
@@ -15,9 +16,26 @@ LABEL = "stored schedule"
 POLICY_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "description")
 
 
+def _policy_problem(key: str, value: Any) -> Optional[str]:
+    """Why a policy column's value is out of range (the checks of a ``beat_schedule`` entry)."""
+    if key in ("overlap", "catchup"):
+        return choice_problem(value, OverlapPolicy if key == "overlap" else CatchupPolicy)
+    if key in ("max_run_time", "jitter", "catchup_window"):
+        return seconds_problem(value, zero_ok=key == "jitter")
+    return None
+
+
 def entry_from_row(row: StoredRow, app: Any = None) -> Entry:
-    """The :class:`Entry` a stored row describes; :class:`ConfigError` naming the field when it cannot be."""
+    """The :class:`Entry` a stored row describes; :class:`ConfigError` naming the field when it cannot be.
+
+    A row written past the API (by hand, by another release) whose rule is readable but a policy
+    column is out of range (``catchup_window`` infinite, say) still gives an entry, with that column
+    left to the global setting and the reason in :attr:`Entry.refused`: beat records each of its
+    occurrences ``failed`` with it, so the schedule is seen failing where its runs are looked for,
+    instead of vanishing from the schedule or breaking the plan of every schedule due with it.
+    """
     problems: List[str] = []
+    refused: List[str] = []
     spec: Dict[str, Any] = {"task": row.task}
     try:
         spec["schedule"] = parse_schedule_text(row.schedule, row.zone)
@@ -31,7 +49,11 @@ def entry_from_row(row: StoredRow, app: Any = None) -> Entry:
     for key in POLICY_KEYS:
         value = getattr(row, key)
         if value is not None:
-            spec[key] = value
+            reason = _policy_problem(key, value)
+            if reason:
+                refused.append(f"{LABEL} {row.name!r}: {key}: {reason}")
+            else:
+                spec[key] = value
     spec["enabled"] = row.enabled
     if problems:
         raise ConfigError(problems)
@@ -40,6 +62,7 @@ def entry_from_row(row: StoredRow, app: Any = None) -> Entry:
         raise ConfigError(problems)
     entry.stored_version = row.version
     entry.owner = row.owner
+    entry.refused = "; ".join(refused) or None
     return entry
 
 

@@ -50,6 +50,18 @@ def test_celery_schedule_types_are_converted():
     ({"task": "t", "schedule": 10, "catchup_window": "1h"}, "catchup_window", "expected a number of seconds"),
     ({"task": "t", "schedule": 10, "enabled": "yes"}, "enabled", "expected True or False"),
     ({"task": "t", "schedule": 10, "colour": "red"}, "colour", "unknown key"),
+    # Range and column checks (issue 19, item 7): what beat or the claim table cannot hold is refused here.
+    ({"task": "t", "schedule": 10, "catchup_window": float("inf")}, "catchup_window", "finite"),
+    ({"task": "t", "schedule": 10, "max_run_time": 1e300}, "max_run_time", "at most 3153600000 s"),
+    ({"task": "t", "schedule": 10, "jitter": 10 ** 5000}, "jitter", "at most"),
+    ({"task": "t", "schedule": 10, "catchup_window": float("nan")}, "catchup_window", "expected a number"),
+    ({"task": "t" * 256, "schedule": 10}, "task", "longer than 255 characters"),
+    ({"task": "t.\x00", "schedule": 10}, "task", "control character"),
+    ({"task": "t", "schedule": 1e300}, "schedule", "cannot be read as a schedule (OverflowError"),
+    ({"task": "t", "schedule": timedelta(days=40000)}, "schedule", "interval longer than"),
+    ({"task": "t", "schedule": 10, "kwargs": {1: "x"}}, "kwargs", "keyword names must be strings"),
+    ({"task": "t", "schedule": 10, "options": {"expires": 1e300}}, "options", "expires: must be at most"),
+    ({"task": "t", "schedule": 10, "description": "a\x00"}, "description", "control character"),
 ])
 def test_a_bad_field_is_named_with_its_entry_and_reason(spec, field, reason):
     with pytest.raises(ConfigError) as info:
@@ -69,6 +81,12 @@ def test_every_problem_of_every_entry_is_reported_at_once():
 def test_a_name_longer_than_the_claim_column_is_refused():
     with pytest.raises(ConfigError, match="name: longer than 255"):
         build_entries({"x" * 256: {"task": "t", "schedule": 10}})
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "tab\there", "\ud800"])
+def test_a_name_the_claim_column_cannot_hold_as_is_is_refused(name):
+    with pytest.raises(ConfigError, match="name: contains a (control character|lone surrogate)"):
+        build_entries({name: {"task": "t", "schedule": 10}})
 
 
 def test_no_beat_schedule_is_no_entries_and_a_non_dict_is_an_error():

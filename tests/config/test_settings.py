@@ -76,6 +76,24 @@ def test_every_bad_setting_is_reported_in_one_error_naming_it():
     assert str(info.value).startswith("11 problems")
 
 
+@pytest.mark.parametrize("setting, value, reason", [
+    ("cluster_beat_catchup_window", float("inf"), "expected a finite number of seconds"),
+    ("cluster_beat_max_run_time", 1e300, "must be at most 3153600000 s (100 years)"),
+    ("cluster_beat_claim_retention", 10 ** 5000, "must be at most"),
+    ("cluster_beat_lock_ttl", float("nan"), "expected a number of seconds"),
+    ("cluster_beat_catchup_max", 10 ** 9, "expected a whole number from 1 to 100000"),
+    ("cluster_beat_node_id", "node\x00a", "control character"),
+    ("cluster_beat_http_port", 10 ** 5000, "expected a port number"),
+], ids=lambda v: v if isinstance(v, str) and v.startswith("cluster_beat_") else "")
+def test_a_number_or_name_out_of_range_is_refused_naming_the_setting(setting, value, reason):
+    """Issue 19, item 7: every duration is finite and within what beat's date arithmetic holds,
+    every name within what its column holds; the message names the setting and the reason."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(conf(**{setting: value}), has_result_backend=lambda: False)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"setting {setting}: ") and reason in problem, problem
+
+
 def test_zero_jitter_is_allowed_and_zero_grace_is_not():
     load_settings(conf(cluster_beat_jitter=0), has_result_backend=lambda: False)
     with pytest.raises(ConfigError, match="cluster_beat_claim_grace: must be positive"):

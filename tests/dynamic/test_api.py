@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -48,6 +49,19 @@ def test_add_stores_the_definition_as_text_and_json_and_reads_it_back(schedules)
     (dict(overlap="maybe"), "overlap", "expected one of"),
     (dict(max_run_time=-1), "max_run_time", "positive"),
     (dict(task=""), "task", "expected a task name"),
+    # Range and column checks (issue 19, item 7): refused with the field, never a database error.
+    (dict(catchup_window=float("inf")), "catchup_window", "finite"),
+    (dict(max_run_time=1e300), "max_run_time", "at most"),
+    (dict(jitter=10 ** 400), "jitter", "at most"),
+    (dict(catchup_window=float("nan")), "catchup_window", "expected a number of seconds"),
+    (dict(task="t" * 256), "task", "longer than 255 characters"),
+    (dict(task="t.\x00x"), "task", "control character"),
+    (dict(owner="al\x00ice"), "owner", "control character"),
+    (dict(description="a\x00b"), "description", "control character"),
+    (dict(args=["x" * 70_000]), "args", "more than the 65535"),
+    (dict(schedule=1e300), "schedule", "cannot be read as a schedule"),
+    (dict(schedule=3.2e9), "schedule", "longer than"),
+    (dict(options={"expires": 1e300}), "options", "expires: must be at most"),
 ])
 def test_bad_input_names_the_schedule_the_field_and_the_reason_and_stores_nothing(schedules, kwargs, field, reason):
     spec = dict(task="t.x", schedule=every(60))
@@ -91,6 +105,27 @@ def test_update_changes_only_the_given_fields_and_restarts_from_the_change_time(
         schedules.update("nope", task="t.y")
     with pytest.raises(ConfigError, match="stored schedule 'a': colour: unknown field"):
         schedules.update("a", colour="red")
+
+
+def test_update_keeps_the_zone_unless_tz_is_given(schedules):
+    """The README's example (issue 19, item 8): a new rule without a zone of its own is read in the
+    schedule's zone, not stored in UTC; ``tz`` changes the zone, alone or with a new rule."""
+    schedules.add("report:42", "reports.run", cron("0 9 * * 1-5", tz="Europe/Paris"))
+    changed = schedules.update("report:42", schedule="30 8 * * 1-5")
+    assert (changed.schedule, changed.zone) == ("30 8 * * 1-5", "Europe/Paris")
+    paris = changed.next_at.astimezone(ZoneInfo("Europe/Paris"))
+    assert (paris.hour, paris.minute) == (8, 30) and paris.isoweekday() <= 5
+    assert schedules.update("report:42", owner="bob").zone == "Europe/Paris"  # other fields: the zone stays
+    moved = schedules.update("report:42", tz="America/New_York")
+    assert (moved.schedule, moved.zone) == ("30 8 * * 1-5", "America/New_York")
+    assert moved.next_at.astimezone(ZoneInfo("America/New_York")).hour == 8
+    both = schedules.update("report:42", schedule=cron("0 7 * * *", tz="Asia/Tokyo"))  # a rule with its own zone
+    assert both.zone == "Asia/Tokyo"
+    both = schedules.update("report:42", schedule="0 6 * * *", tz="Europe/London")
+    assert (both.schedule, both.zone) == ("0 6 * * *", "Europe/London")
+    with pytest.raises(ConfigError, match="stored schedule 'report:42': tz: unknown time zone"):
+        schedules.update("report:42", tz="Nowhere/Zone")
+    assert schedules.get("report:42").zone == "Europe/London"
 
 
 def test_disable_clears_the_next_occurrence_and_enable_starts_from_now(schedules):

@@ -3,7 +3,7 @@
 A real ``celery beat`` process started with ``CCB_FAULTS`` set stops dead,
 pauses or fails at an exact place, so a test can hit the window it claims to
 cover (after the claim commit, between the broker flush and the 'sent' mark,
-in the middle of a burst, inside a claim transaction) instead of hoping a
+in the middle of a burst or of one chunk, inside a claim transaction) instead of hoping a
 signal lands there. Without the variable :func:`hit` is one dict lookup.
 
 ``CCB_FAULTS="point=action[@n][,point=action[@n]...]"``; actions:
@@ -34,6 +34,7 @@ POINTS = frozenset({
     "claim-committed",  # a claim transaction committed; its reply not yet handled
     "claim-in-transaction",  # inside the claim transaction, after the fence, before the insert
     "before-publish",  # a publish chunk passed its ownership check, nothing sent yet
+    "mid-chunk",  # between two messages of a publish chunk (on Redis: buffered, not yet flushed)
     "after-flush",  # a publish chunk is on the broker, its rows not yet marked sent
     "after-mark",  # a publish chunk's rows are marked sent
 })

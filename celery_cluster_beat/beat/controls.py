@@ -6,12 +6,14 @@ leader reads them with the stored-schedule changes (:mod:`.stored` calls :meth:`
 What they mean for scheduling lives here, apart from how changes are read, because each
 has a rule of its own that every leader must apply alike: a paused schedule never fires
 and its paused time is never caught up after a resume (whichever leader resumes it), and
-a run-now request is sent once, at the request's instant, by whichever node holds the
-lease when it is read (a request not handled yet is kept and tried again).
+a run-now request is sent once, for the request's instant and at once (never delayed by the
+entry's jitter), by whichever node holds the lease when it is read (a request not handled yet
+is kept and tried again).
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
@@ -30,15 +32,18 @@ class Controls:
     :param drop: stop holding a schedule, with why it must not fire (the stored-schedule follower's).
     :param horizon: stored schedules due before this instant are held in memory (None: not scheduling).
     :param resolve: entries of stored schedules not held in memory, by name.
+    :param forget: drop what a send kept about schedules that are not held (their message, last run).
     """
 
     def __init__(self, node: NodeState, *, drop: Callable[[str, str], None],
                  horizon: Callable[[], Optional[datetime]],
-                 resolve: Callable[[List[str]], Dict[str, Entry]]) -> None:
+                 resolve: Callable[[List[str]], Dict[str, Entry]],
+                 forget: Callable[[List[str]], None] = lambda names: None) -> None:
         self.node = node
         self._drop = drop
         self._horizon = horizon
         self._resolve = resolve
+        self._forget = forget
         #: Names an operator paused. Changed in place only: the send pipeline holds this very set.
         self.paused: Set[str] = set()
         #: The change counter's value up to which control changes are applied.
@@ -86,7 +91,7 @@ class Controls:
             nxt = entry.schedule.next_fire(now)
             # SQL's next_at is from before the pause: replace it, held or not, so no reader of it
             # (this leader's horizon, or the next leader) catches the paused time up.
-            node.store.stored_set_next([(name, rows[0].version, nxt)])
+            node.store.stored_set_next([(name, rows[0].version, nxt)], term=node.term())
             horizon = self._horizon()
             if horizon is not None and nxt >= horizon:
                 logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
@@ -99,9 +104,14 @@ class Controls:
         logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
 
     def run_requested(self) -> None:
-        """Send one occurrence per run-now request, at the request's instant, with reason ``manual``."""
+        """Send one occurrence per run-now request, at once, with reason ``manual``.
+
+        Its instant is the request's (its claim key and task id); the entry's jitter does not
+        apply: jitter spreads the scheduled occurrences of many schedules over time, while an
+        operator who presses run-now means now."""
         node = self.node
         requests, self.run_requests = self.run_requests, {}
+        missing: List[str] = []
         try:
             known = {name: node.entries[name] for name in requests if name in node.entries}
             missing = [name for name in requests if name not in known]
@@ -112,8 +122,7 @@ class Controls:
                 if entry is None:
                     logger.error("cluster-beat: run-now of %r: no such schedule; request dropped", name)
                 else:
-                    node.pipeline.claim_and_send([(entry, Occurrence(name, at))], node.clock.now(),
-                                                 guarded=False, reason="manual")
+                    self._send_now(entry, at)
                     if not node.active:  # lost the lease meanwhile: the next leader handles the request
                         return
                     logger.info("cluster-beat: %s: manual run for %s (request %s)", name, at.isoformat(), request)
@@ -122,3 +131,20 @@ class Controls:
         finally:
             for name, req in requests.items():  # not handled (the store failed): try again next tick
                 self.run_requests.setdefault(name, req)
+            if missing:  # sent for schedules not held: keep nothing of them
+                self._forget(missing)
+
+    def _send_now(self, entry: Entry, at: datetime) -> None:
+        """Claim and publish the manual occurrence of *entry* at *at*, without jitter.
+
+        The send pipeline takes an entry's jitter from the entry, so it is given a copy with
+        none, which shares the entry's task, args, kwargs and options (the very objects: its
+        prebuilt message is used) and whose sends count on the entry itself."""
+        node = self.node
+        now_entry = replace(entry, jitter=0.0)
+        try:
+            node.pipeline.claim_and_send([(now_entry, Occurrence(entry.name, at))], node.clock.now(),
+                                         guarded=False, reason="manual")
+        finally:
+            if now_entry.total_run_count != entry.total_run_count:
+                entry.last_run_at, entry.total_run_count = now_entry.last_run_at, now_entry.total_run_count

@@ -423,6 +423,21 @@ class OverlapGuard:
             return {}
         return self.ledger(keys)
 
+    def forget_runs(self, names: Iterable[str]) -> None:
+        """Stop keeping the last runs of *names*: their schedules are no longer held (SQL keeps the
+        last run; :meth:`load` brings it back when they are). A buffered occurrence keeps its own."""
+        for name in names:
+            if name not in self._buffer:
+                self._last.pop(name, None)
+
+    def retain_runs(self, keep: Callable[[str], bool]) -> None:
+        """Keep only the last runs of the schedules *keep* says are held (and of buffered ones)."""
+        self.forget_runs([name for name in self._last if not keep(name)])
+
+    def kept_runs(self) -> int:
+        """How many schedules' last runs are kept in memory."""
+        return len(self._last)
+
     def requeue(self, pairs: Sequence[Pair]) -> None:
         """Put back buffered occurrences that :meth:`ready` handed out but could not be claimed
         (the store failed): they wait for the next try, not lost."""

@@ -6,12 +6,15 @@ the bookkeeping a send implies (the row marked sent, the entry's
 ``last_run_at`` / ``total_run_count``, the overlap guard's last run, the
 outcome report) is the same for all three.
 
-Publishing goes in chunks of at most :data:`PUBLISH_CHUNK`. A chunk goes out
-only while its rows are known to be ours: claimed (or confirmed in one
+Publishing goes in chunks of at most :data:`PUBLISH_CHUNK`. A message goes out
+only while its row is known to be ours: claimed (or confirmed in one
 conditional statement) less than ``claim_grace / 4`` ago, as measured before
 that statement, since no row can be taken over before it is ``claim_grace``
-old; so a row taken over by another node, or a node fenced out, is never
-published here. After each chunk its rows are marked sent, and a burst stops
+old. This holds between the messages of a chunk too: a node held up while
+publishing one (GC, a frozen VM, SIGSTOP) confirms the rest again before going
+on and withholds what was taken over meanwhile (:class:`~.publisher.Ownership`),
+so a row taken over by another node, or a node fenced out, is never published
+here. After each chunk its rows are marked sent, and a burst stops
 when a mark fails. A crash can therefore leave at most one chunk published but
 not marked: those are resent with the same task id, which the worker-side
 ledger turns into a skipped duplicate.
@@ -33,12 +36,13 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from .. import faults
 from ..config import Entry, Settings
+from ..schedules.instants import TINY
 from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StoreUnavailable
 from .guard import OverlapGuard
 from .jitter import jitter_delay
 from .outcomes import Outcome, Reporter
-from .publisher import Dispatch, Publisher
+from .publisher import Dispatch, Ownership, Publisher, Withheld
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -212,13 +216,19 @@ class SendPipeline:
             if not self._still_leader():
                 logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
                 return
-            part = self._confirmed(list(items[start:start + PUBLISH_CHUNK]), confirmed_at, first=not start)
-            if part is None:
+            confirmed = self._confirmed(list(items[start:start + PUBLISH_CHUNK]), confirmed_at, first=not start)
+            if confirmed is None:
                 logger.warning("cluster-beat: %d claimed occurrence(s) left for the next leader", len(items) - start)
                 return
+            part, part_confirmed_at = confirmed
             if not part:
                 continue
-            errors = self.publisher.publish([self._dispatch(p.entry, p.occ, p) for p in part])
+            built = self._buildable(part)  # one schedule's broken definition never costs the chunk
+            if not built:
+                continue
+            part = [p for p, _ in built]
+            ownership = Ownership(part_confirmed_at, self.recheck_after, self._reconfirmer(part))
+            errors = self.publisher.publish([d for _, d in built], ownership)
             # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
             # stop before the mark below (close() settles what is owed).
             self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
@@ -236,9 +246,11 @@ class SendPipeline:
                 self.report(Outcome.RESENT if p.resent else Outcome.SENT, p.occ, reason, p.entry,
                             log=log_each or p.attempt > 1)
             for p, err in zip(part, errors):
-                if err is not None:
+                if err is not None and not isinstance(err, Withheld):  # withheld: no longer ours
                     failed += 1
                     self._send_failed(p, err)
+            if ownership.error is not None:  # the store failed mid-chunk: what went out is recorded
+                raise ownership.error
             if self.unmarked:
                 # The store did not take the marks: publishing on would widen the window a crash
                 # leaves to be resent. The rest stays claimed for whoever can record it.
@@ -249,10 +261,38 @@ class SendPipeline:
             logger.info("cluster-beat: %s %d occurrence(s) (%d failed)",
                         "resent" if items[0].resent else "sent", sent, failed)
 
+    def _buildable(self, part: List[Pending]) -> List[Tuple[Pending, Dispatch]]:
+        """Each occurrence of *part* with its dispatch; one whose dispatch cannot be built (a
+        refused stored definition, a schedule that raises) ends ``failed`` with the reason, alone."""
+        built: List[Tuple[Pending, Dispatch]] = []
+        for p in part:
+            try:
+                if p.entry.refused:
+                    raise ValueError(p.entry.refused)
+                built.append((p, self._dispatch(p.entry, p.occ, p)))
+            except Exception as exc:  # building again would fail the same way: final at once
+                self._send_failed(p, exc, final=True)
+        return built
+
+    def _reconfirmer(self, part: List[Pending]) -> Callable[[List[Occurrence]], Tuple[Set[Occurrence], float]]:
+        """What the publisher calls when a chunk's confirmation grew too old before all of it went
+        out: confirms the occurrences not yet out again (see :class:`~.publisher.Ownership`)."""
+        of = {p.occ: p for p in part}
+
+        def confirm(occurrences: List[Occurrence]) -> Tuple[Set[Occurrence], float]:
+            logger.warning("cluster-beat: held up while publishing a chunk; confirming its %d unpublished "
+                           "occurrence(s) again", len(occurrences))
+            confirmed = self._confirmed([of[occ] for occ in occurrences], None)
+            if confirmed is None:  # no longer the leader: nothing more goes out
+                return set(), time.monotonic()
+            return {p.occ for p in confirmed[0]}, confirmed[1]
+
+        return confirm
+
     def _confirmed(self, part: List[Pending], confirmed_at: Optional[float], *,
-                   first: bool = False) -> Optional[List[Pending]]:
-        """The rows of *part* still ours, confirmed within ``recheck_after``; None when this node
-        may no longer send at all."""
+                   first: bool = False) -> Optional[Tuple[List[Pending], float]]:
+        """The rows of *part* still ours, confirmed within ``recheck_after``, and the monotonic time
+        of that confirmation; None when this node may no longer send at all."""
         tries = 0
         if confirmed_at is not None and time.monotonic() - confirmed_at > self.recheck_after:
             if first:  # nothing was published since the claim: the process was held up in between
@@ -273,7 +313,7 @@ class SendPipeline:
                 part = [p for p in part if p.occ in mine]
             faults.hit("before-publish")
             if time.monotonic() - confirmed_at <= self.recheck_after:
-                return part
+                return part, confirmed_at
             # This process was paused since (GC, SIGSTOP, an overloaded host): look again.
             logger.warning("cluster-beat: paused %.1f s between confirming and publishing %d occurrence(s); "
                            "confirming again", time.monotonic() - confirmed_at, len(part))
@@ -284,7 +324,9 @@ class SendPipeline:
     def _dispatch(self, entry: Entry, occ: Occurrence, pending: Optional[Pending] = None) -> Dispatch:
         jitter = entry.jitter if entry.jitter is not None else self.settings.jitter
         eta = None
-        if jitter:
+        # Jitter delays the schedule's own fire times only: a run-now (or its resend after a
+        # crash) is sent at once.
+        if jitter and entry.schedule.next_fire(occ.at - TINY) == occ.at:
             delay = jitter_delay(entry.name, occ.at, jitter, entry.schedule.next_fire(occ.at))
             if delay:
                 eta = occ.at + timedelta(seconds=delay)
@@ -320,8 +362,8 @@ class SendPipeline:
         else:
             self.unmarked = []
 
-    def _send_failed(self, p: Pending, err: BaseException) -> None:
-        final = p.attempt >= MAX_SEND_ATTEMPTS
+    def _send_failed(self, p: Pending, err: BaseException, *, final: bool = False) -> None:
+        final = final or p.attempt >= MAX_SEND_ATTEMPTS
         try:
             owned = self.store.mark_failed(p.occ, f"{err.__class__.__name__}: {err}", final=final)
         except StoreUnavailable:

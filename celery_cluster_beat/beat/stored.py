@@ -49,7 +49,8 @@ class StoredFollower:
 
     def __init__(self, node: NodeState) -> None:
         self.node = node
-        self.controls = Controls(node, drop=self.drop, horizon=lambda: self.horizon, resolve=self.resolve)
+        self.controls = Controls(node, drop=self.drop, horizon=lambda: self.horizon, resolve=self.resolve,
+                                 forget=self.forget_held)
         self.version = 0  # the change counter's value this node has applied
         #: Within version ``version``, the last name read, while more rows of it remain (one
         #: change can write many rows: add_many).
@@ -78,6 +79,7 @@ class StoredFollower:
         self.changes_wanted = False
         self.horizon = horizon
         self.evict_retry = []
+        self.trim()  # stored schedules are read afresh (new entries: their old templates are stale anyway)
 
     # -- holding and dropping ------------------------------------------------------
     def hold(self, rows, last: Optional[Dict[str, datetime]] = None) -> None:
@@ -105,6 +107,7 @@ class StoredFollower:
                 continue
             if current is not None:
                 self._guard_forget(row.name, "changed")  # a buffered run of the old definition
+                self._forget_message(row.name)  # built from the old definition
             if row.next_at >= self.horizon:
                 self.drop(row.name)  # its next_at in SQL is exact: the window that covers it loads it
                 continue
@@ -161,6 +164,39 @@ class StoredFollower:
             return
         node.entries.pop(name, None)
         node.queue.remove(name)
+        self.forget_held([name])
+
+    # -- memory follows what is held ------------------------------------------------
+    def forget_held(self, names) -> None:
+        """What this node keeps about stored schedules *names* besides their entry (their message
+        template or refusal, the overlap guard's last run) goes with them when they are no longer
+        held: otherwise every schedule ever fired stays in memory. Both come back when needed:
+        the template is built again before the next fire, the last run is read from SQL when
+        the schedule is held again (:meth:`_load_states`)."""
+        node = self.node
+        names = [n for n in names if n not in node.entries]
+        if not names:
+            return
+        if node.guard is not None:
+            node.guard.forget_runs(names)
+        for name in names:
+            self._forget_message(name)
+
+    def _forget_message(self, name: str) -> None:
+        pipeline = self.node.pipeline
+        if pipeline is not None:
+            pipeline.publisher.templates.forget(name)
+
+    def trim(self) -> None:
+        """Forget what is kept for schedules no longer held however it came to be kept (a publish
+        retry, a resend or a run-now of a schedule that is not held builds its message and records
+        its run); cheap enough for each move of the horizon's window."""
+        node = self.node
+        held = node.entries.__contains__
+        if node.pipeline is not None:
+            node.pipeline.publisher.templates.retain(held)
+        if node.guard is not None:
+            node.guard.retain_runs(held)
 
     # -- following -----------------------------------------------------------------
     def next_check_in(self, mono: float) -> float:
@@ -224,6 +260,7 @@ class StoredFollower:
             rows = store.stored_due(horizon, since=self.horizon)
             self.horizon = horizon
             self.hold(rows)
+            self.trim()
         if self.evict_retry and mono >= self.evict_retry_at:
             leaving, self.evict_retry = self.evict_retry, []
             # Only what is still that fire: a schedule that fired since was handed back anew.
@@ -234,7 +271,7 @@ class StoredFollower:
         next occurrence, then forget them. Until SQL has it they stay in memory."""
         node = self.node
         try:
-            node.store.stored_set_next(leaving)
+            node.store.stored_set_next(leaving, term=node.term())  # StaleTermError: fenced out, nothing written
         except StoreUnavailable as exc:
             logger.warning("cluster-beat: cannot record the next occurrence of %d stored schedule(s) yet (%s)",
                            len(leaving), exc)

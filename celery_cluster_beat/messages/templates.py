@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from celery.app.base import Celery
 
@@ -49,6 +49,22 @@ class Templates:
     def has(self, name: str) -> bool:
         """A template or a refusal is held for *name* (it need not be prepared again)."""
         return name in self._by_name or name in self._refused
+
+    def kept(self) -> int:
+        """How many entries have a template or a refusal kept (what :meth:`__len__` counts, plus refusals)."""
+        return len(self._by_name.keys() | self._refused.keys())
+
+    def forget(self, name: str) -> None:
+        """Drop the template or refusal of *name* (its schedule is no longer held): built, or judged,
+        again when it is sent next."""
+        self._by_name.pop(name, None)
+        self._refused.pop(name, None)
+        self.reasons.pop(name, None)
+
+    def retain(self, keep: Callable[[str], bool]) -> None:
+        """Keep the templates and refusals only of the entries *keep* says are held."""
+        for name in [n for n in self._by_name if not keep(n)] + [n for n in self._refused if not keep(n)]:
+            self.forget(name)
 
     def get(self, name: str, task: str, args, kwargs, options: Dict[str, Any], headers: Dict[str, Any],
             producer, *, eta: bool) -> Optional[Template]:

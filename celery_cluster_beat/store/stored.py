@@ -71,7 +71,8 @@ def _row(r: Any) -> StoredRow:
 
 
 class StoredScheduleQueries:
-    """Mixed into :class:`~.claims.ClaimStore`: it provides ``_run``, ``_now`` and ``url_masked``."""
+    """Mixed into :class:`~.claims.ClaimStore`: it provides ``_run``, ``_now``, ``_fence`` (:mod:`.claiming`)
+    and ``url_masked``."""
 
     if TYPE_CHECKING:  # pragma: no cover
         url_masked: str
@@ -80,6 +81,8 @@ class StoredScheduleQueries:
         def _run(self, work: Callable[[Connection], Any], *, write: bool = True) -> Any: ...
 
         def _now(self, conn: Connection) -> datetime: ...
+
+        def _fence(self, conn: Connection, term: Optional[int]) -> None: ...
 
     @database_errors
     def stored_version(self) -> int:
@@ -224,20 +227,28 @@ class StoredScheduleQueries:
             sa.select(sa.func.count()).select_from(t).where(t.c.deleted == sa.false())).scalar_one(), write=False))
 
     @database_errors
-    def stored_set_next(self, items: Sequence[Tuple[str, int, datetime]]) -> int:
+    def stored_set_next(self, items: Sequence[Tuple[str, int, datetime]], *, term: Optional[int] = None) -> int:
         """Record ``(name, version, next occurrence)`` of schedules the leader stops holding in memory.
 
         Conditional on the version it loaded: a definition changed meanwhile keeps the
         next occurrence its change computed (the leader learns of it from the change feed).
+        Fenced by the leader's *term* like a claim (:class:`~.errors.StaleTermError`, nothing
+        written, once a newer term is recorded), and never backwards: a leader paused between
+        firing a schedule and handing it back must not write, after its successor moved the
+        schedule on, an instant the successor's window has already passed (it would never be
+        read again, so the schedule would never fire until changed).
         """
         if not items:
             return 0
         t = stored_schedules_table
-        stmt = (sa.update(t).where(t.c.name == sa.bindparam("b_name"), t.c.version == sa.bindparam("b_version"))
-                .values(next_at=sa.bindparam("b_next")))
+        nxt = sa.bindparam("b_next")
+        stmt = (sa.update(t).where(t.c.name == sa.bindparam("b_name"), t.c.version == sa.bindparam("b_version"),
+                                   sa.or_(t.c.next_at.is_(None), t.c.next_at <= nxt))
+                .values(next_at=nxt))
         rows = [{"b_name": n, "b_version": v, "b_next": at} for n, v, at in sorted(items)]
 
         def work(conn: Connection) -> int:
+            self._fence(conn, term)  # first: the leader row's lock orders it with every fenced write
             done = 0
             for part in chunks(rows, _BATCH):
                 result = conn.execute(stmt, list(part))

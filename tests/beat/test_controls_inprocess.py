@@ -1,12 +1,14 @@
 """The leader's side of operators' controls, with a real Scheduler driven like beat drives it, a
 real claim database and the Redis broker: a paused schedule (config or stored) sends and records
 nothing while paused and resumes from the moment it is resumed; run-now pressed twice while pending
-gives one manual occurrence, recorded with reason ``manual``; a pause survives a new leader."""
+gives one manual occurrence, recorded with reason ``manual``, sent at once whatever the entry's
+jitter; a pause survives a new leader."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import List
 from urllib.parse import urlsplit, urlunsplit
 
@@ -14,7 +16,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_cluster_beat import every
+from celery_cluster_beat import cron, every
 from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.dynamic import StoredSchedules
 from celery_cluster_beat.store import ClaimStore
@@ -164,3 +166,63 @@ def test_a_resumed_schedule_does_not_catch_up_its_paused_time_after_a_leader_cha
         inside = [(r.scheduled_at, r.status) for r in ops.claims(name) if paused_at < r.scheduled_at < resumed_at]
         assert inside == [], (name, inside)
         assert [r for r in ops.claims(name) if r.scheduled_at > resumed_at], name
+
+
+def _far(now: datetime):
+    """A yearly cron at least a day away: with a big jitter its cap is the jitter itself."""
+    for expr in ("0 0 29 2 *", "0 12 1 7 *"):
+        rule = cron(expr, tz="UTC")
+        if rule.next_fire(now) - now > timedelta(days=1):
+            return rule
+    raise AssertionError("no far-away schedule found")  # pragma: no cover
+
+
+def _messages(app: Celery, name: str) -> List[dict]:
+    """Headers of the messages of schedule *name* in the app's queue."""
+    client = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        raw = client.lrange(app.conf.task_default_queue, 0, -1)
+    finally:
+        client.close()
+    return [h for h in (json.loads(item)["headers"] for item in raw) if h.get("cluster_beat_schedule") == name]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["config", "stored"])
+def test_run_now_is_sent_at_once_whatever_the_entrys_jitter(made, db, broker, kind):
+    """An entry with a jitter of 6 hours (config, or stored and not held in memory): run-now gives
+    a message within a few seconds of the request, with no eta (or one within a few seconds of
+    the request's instant), recorded ``manual`` and ``sent``. Jitter spreads scheduled
+    occurrences; an operator's run-now means now.
+
+    Fails if the manual occurrence gets the entry's jitter (its eta hours after the request)."""
+    jitter = 6 * 3600.0
+    app = _app(made, db, broker)
+    rule = _far(datetime.now(timezone.utc))
+    if kind == "config":
+        app.conf.beat_schedule = {"rare": {"task": "t.x", "schedule": rule, "jitter": jitter}}
+    else:
+        app.conf.beat_schedule = {}
+        api = StoredSchedules(app)
+        made.append(api)
+        api.add("rare", "t.x", rule, jitter=jitter)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    _run(sched, 0.5)
+    assert ("rare" in sched.entries) == (kind == "config"), "set-up: a stored one a year away is not held"
+    _, _, at, _ = ops.request_run("rare", by="alice")
+    pressed = time.monotonic()
+    while not _messages(app, "rare") and time.monotonic() - pressed < 15:
+        time.sleep(max(0.0, min(sched.tick(), 0.05)))
+    waited = time.monotonic() - pressed
+    sent = _messages(app, "rare")
+
+    assert len(sent) == 1, f"no manual message {waited:.1f}s after run-now"
+    eta = sent[0].get("eta")
+    if eta is not None:
+        delay = (datetime.fromisoformat(eta.replace("Z", "+00:00")) - at).total_seconds()
+        assert delay <= 5, f"the manual run waits {delay:.0f}s for the entry's jitter (eta {eta})"
+    assert [(r.scheduled_at, r.status, r.reason) for r in ops.claims("rare")] == [(at, "sent", "manual")]

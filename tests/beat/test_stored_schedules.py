@@ -42,7 +42,7 @@ from celery_cluster_beat.dynamic import StoredSchedules
 from celery_cluster_beat.errors import ConfigError
 from celery_cluster_beat.leader.lease import cluster_key, lease_keys
 from celery_cluster_beat.schedules.occurrence import Occurrence
-from celery_cluster_beat.store import ClaimStore
+from celery_cluster_beat.store import ClaimStore, StaleTermError
 
 UTC = timezone.utc
 BROKER_DB = 7  # a Redis database of these tests' own; every app also has its own queue
@@ -615,3 +615,41 @@ def test_the_stale_sweep_does_not_resend_a_claim_of_a_disabled_stored_schedule(d
     at, rows, sent = _sweep_after_change(db_url, broker, apps, closing, "disabled")
     assert sent["disabled"] == [] and sent["disabled-far"] == [], \
         f"a disabled schedule was sent while disabled: {sent}; claim rows: {rows}"
+
+
+@pytest.mark.timeout(90)
+def test_a_paused_old_leaders_late_hand_back_does_not_stop_a_stored_schedule(
+        db_url, broker, apps, closing, monkeypatch):
+    """With the lease and a horizon of 4 s, a stored ``every(n)`` fires and is handed back to SQL
+    with its next occurrence. Then a paused old leader (a lower term) wakes and hands the same
+    schedule back with the instant it had computed before (the first one): refused with
+    StaleTermError; a node without a term writing it is not written either (never backwards).
+    next_at stays the second occurrence, and the schedule fires at it.
+
+    Fails if the hand-back is not fenced and may move next_at back: the window, which reads only
+    forward, would never load the schedule again, and it would not fire until changed."""
+    monkeypatch.setattr(stored_module, "HORIZON", HORIZON)
+    app = _app(apps, db_url, broker, {"static": {"task": "t.record", "schedule": _far_schedule()}},
+               cluster_beat_redis_url=broker)
+    api = StoredSchedules(app)
+    closing.append(api)
+    n = _every_first_in(2.0, 4.0, range(7, 11))
+    first = api.add("sparse", "t.record", every(n)).next_at
+    second = first + timedelta(seconds=n)
+    sched = Scheduler(app, lazy=False)
+    closing.append(sched)
+    _run_until(sched, lambda: sched._active, 10, "taking the lease")
+    _run_until(sched, lambda: bool(_queued(app, "sparse")) and "sparse" not in sched.entries, 10,
+               "the first fire of 'sparse' and its hand-back")
+    row = _stored_row(db_url, "sparse")
+    assert row.next_at == second, "set-up: handed back with its next occurrence"
+    old = ClaimStore(db_url, node_id="paused-old-leader")
+    closing.append(old)
+    old.open()
+
+    with pytest.raises(StaleTermError):
+        old.stored_set_next([("sparse", row.version, first)], term=sched._lease.term - 1)
+    assert old.stored_set_next([("sparse", row.version, first)]) == 0
+    assert _stored_row(db_url, "sparse").next_at == second
+    _run_until(sched, lambda: len(_queued(app, "sparse")) >= 2, n + 6, "the second fire of 'sparse'")
+    assert _queued(app, "sparse") == [first, second]

@@ -24,7 +24,7 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from ..errors import ConfigError  # cheap: the schedules package loads its Celery side on first use
-from ..leader.urls import mask_url  # cheap: the leader package loads redis-py on first use
+from ..leader.urls import mask_url, mask_urls_in  # cheap: the leader package loads redis-py on first use
 
 
 class _ImportOnUse:
@@ -90,7 +90,11 @@ def _problems(exc: BaseException) -> List[str]:
         lines = [str(exc)]
     else:
         lines = [f"{type(exc).__name__}: {_first_line(exc)}" if not _is_ours(exc) else _first_line(exc)]
-    return [mask_url(line) for line in lines]
+    # Our own messages quote names and descriptions: only what is spelled as a URL is masked in them
+    # (mask_url's ``user:secret@host`` rule would mangle ``a:b:c@d``); a driver's text (or ours
+    # wrapping one: a __cause__), everything.
+    mask = mask_urls_in if _is_ours(exc) and exc.__cause__ is None else mask_url
+    return [mask(line) for line in lines]
 
 
 def _is_ours(exc: BaseException) -> bool:

@@ -2,31 +2,38 @@
 
 Started by beat when ``cluster_beat_http_port`` is set (bound to
 ``cluster_beat_http_host``, 127.0.0.1 unless it says otherwise; port 0 picks a
-free port, which beat logs). The standard library's
-:class:`~http.server.ThreadingHTTPServer` runs in a daemon thread, so a
-request never waits for the scheduling loop and the loop never waits for a
-request.
+free port, which beat logs). It runs on threads of its own with fixed bounds
+(:mod:`.httpserver`: a selector thread, a small worker pool, a connection cap and
+read, idle and write deadlines), so a request never waits for the scheduling loop
+and no client, however many or slow, can take the loop's process from it.
 
 * ``/metrics``: the Prometheus text format of this beat's own registry (:mod:`.metrics`).
 * ``/healthz``: 200 while the loop ticked within the sleep it asked for plus a margin,
   503 otherwise (for a Kubernetes liveness probe): a loop stuck in a call, or never
-  coming back from one, stops ticking while this thread still answers.
+  coming back from one, stops ticking while this thread still answers. Answered on
+  the selector thread itself: never queued behind a page being built.
 * ``/``: an HTML page with what ``celery ... cluster-beat status`` and ``list`` show.
-  Read-only: GET and HEAD only, no forms, no scripts, every value escaped, URLs
-  masked (no passwords), a strict Content-Security-Policy.
+  Read-only: GET and HEAD only, no forms, no scripts, every value escaped, a strict
+  Content-Security-Policy. The URLs on it are masked where they are read (no
+  passwords); names and descriptions are shown as they are, escaped.
+
+``cluster_beat_http_page=False`` serves ``/healthz`` alone (the page and ``/metrics``
+answer 404); ``cluster_beat_http_token`` makes the page and ``/metrics`` require
+``Authorization: Bearer <token>`` (401 without it; ``/healthz`` never needs it).
 """
 from __future__ import annotations
 
+import hmac
 import html
 import logging
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ConfigError
 from ..leader.urls import mask_url
+from .httpserver import BoundedHTTPServer, Limits, Request, Response
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -76,62 +83,31 @@ class LoopHealth:
         return ok, text
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "celery-cluster-beat"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:  # noqa: N802 (the stdlib's naming)
-        self._respond(head=False)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._respond(head=True)
-
-    def _refuse(self) -> None:
-        self._send(405, b"read-only: GET and HEAD only\n", "text/plain; charset=utf-8", head=False,
-                   extra={"Allow": "GET, HEAD"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
-
-    def _respond(self, head: bool) -> None:
-        ops: OpsServer = self.server.ops  # type: ignore[attr-defined]
-        path = self.path.split("?", 1)[0]
-        try:
-            status, body, ctype = ops.route(path)
-        except Exception as exc:  # a broken page must not kill the server thread
-            logger.exception("cluster-beat http: %s failed", path)
-            status, body, ctype = 500, f"error: {mask_url(type(exc).__name__)}\n".encode(), "text/plain; charset=utf-8"
-        self._send(status, body, ctype, head=head)
-
-    def _send(self, status: int, body: bytes, ctype: str, *, head: bool, extra: Optional[Dict[str, str]] = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Referrer-Policy", "no-referrer")
-        self.send_header("Content-Security-Policy",
-                         "default-src 'none'; style-src 'unsafe-inline'; form-action 'none'; frame-ancestors 'none'")
-        for k, v in (extra or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        logger.debug("cluster-beat http: %s - %s", self.address_string(), format % args)
+_SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+}
+_TEXT = "text/plain; charset=utf-8"
+#: The status page's paths: they and /metrics need the token when one is set, /healthz never (a probe has no secret).
+PAGE_PATHS = ("/", "/index.html")
 
 
 class OpsServer:
     """The HTTP server; *metrics* (``ClusterBeatMetrics``), *health* (:class:`LoopHealth`) and
-    *page* (returns the status page's HTML) are each optional: a missing one answers 404."""
+    *page* (returns the status page's HTML) are each optional: a missing one answers 404.
+    With *token*, the page and ``/metrics`` need ``Authorization: Bearer <token>``."""
 
     def __init__(self, host: str, port: int, *, metrics: Any = None, health: Optional[LoopHealth] = None,
-                 page: Optional[Callable[[], str]] = None) -> None:
+                 page: Optional[Callable[[], str]] = None, token: Optional[str] = None,
+                 limits: Optional[Limits] = None) -> None:
         self.host, self.port = host, port
         self.metrics, self.health, self.page = metrics, health, page
-        self._httpd: Optional[ThreadingHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self._token = token.encode() if token else None
+        self.limits = limits or Limits()
+        self._server: Optional[BoundedHTTPServer] = None
         self._page_lock = threading.Lock()
         self._page_cache: Tuple[float, bytes, int] = (float("-inf"), b"", 200)
 
@@ -141,29 +117,45 @@ class OpsServer:
         return f"http://{host}:{self.port}/"
 
     def start(self) -> "OpsServer":
-        server_class = ThreadingHTTPServer
-        if ":" in self.host:  # an IPv6 literal
-            import socket
-
-            server_class = type("ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
-        httpd = server_class((self.host, self.port), _Handler)
-        httpd.daemon_threads = True
-        httpd.ops = self  # type: ignore[attr-defined]
-        self.port = httpd.server_address[1]
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.25},
-                                        name="cluster-beat-http", daemon=True)
-        self._thread.start()
+        server = BoundedHTTPServer(self.host, self.port, self.handle, inline=self._is_health, limits=self.limits)
+        self._server = server.start()
+        self.port = server.port
         return self
 
     def stop(self) -> None:
-        httpd, self._httpd = self._httpd, None
-        if httpd is None:
-            return
-        httpd.shutdown()
-        httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+
+    def open_connections(self) -> int:
+        return self._server.open_connections() if self._server is not None else 0
+
+    def _is_health(self, req: Request) -> bool:
+        return req.path == "/healthz"
+
+    def handle(self, req: Request) -> Response:
+        """One request: read-only methods, the token where it is needed, then :meth:`route`."""
+        if req.method not in ("GET", "HEAD"):
+            return self._response(405, b"read-only: GET and HEAD only\n", _TEXT, Allow="GET, HEAD")
+        path = req.path
+        if self._token is not None and self._guarded(path) and not self._authorised(req):
+            return self._response(401, b"a bearer token is required\n", _TEXT,
+                                  **{"WWW-Authenticate": 'Bearer realm="cluster-beat"'})
+        status, body, ctype = self.route(path)
+        return self._response(status, body, ctype)
+
+    def _guarded(self, path: str) -> bool:
+        """Whether *path* is served and needs the token (what is not served is a 404 for anyone)."""
+        return (path == "/metrics" and self.metrics is not None) or (path in PAGE_PATHS and self.page is not None)
+
+    def _authorised(self, req: Request) -> bool:
+        scheme, _, given = req.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken does not tell how much of the token was right
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), self._token or b"")
+
+    @staticmethod
+    def _response(status: int, body: bytes, ctype: str, **extra: str) -> Response:
+        return Response(status, body, ctype, headers={**_SECURITY_HEADERS, **extra})
 
     def route(self, path: str) -> Tuple[int, bytes, str]:
         if path == "/metrics" and self.metrics is not None:
@@ -172,11 +164,13 @@ class OpsServer:
             return 200, self.metrics.exposition(), CONTENT_TYPE
         if path == "/healthz" and self.health is not None:
             ok, text = self.health.check()
-            return (200 if ok else 503), (text + "\n").encode(), "text/plain; charset=utf-8"
-        if path in ("/", "/index.html") and self.page is not None:
+            return (200 if ok else 503), (text + "\n").encode(), _TEXT
+        if path in PAGE_PATHS and self.page is not None:
             status, body = self._page()
             return status, body, "text/html; charset=utf-8"
-        return 404, b"not found: /metrics, /healthz, /\n", "text/plain; charset=utf-8"
+        served = [p for p, on in (("/metrics", self.metrics), ("/healthz", self.health), ("/", self.page))
+                  if on is not None]
+        return 404, f"not found: {', '.join(served) or 'nothing is served'}\n".encode(), _TEXT
 
     def _page(self) -> Tuple[int, bytes]:
         with self._page_lock:  # one build at a time; concurrent loads share it
@@ -204,7 +198,8 @@ section{overflow-x:auto}th{background:#f2f2f2}.muted{color:#777}.bad{color:#b00}
 
 
 def _text(value: Any) -> str:
-    """One value as escaped, masked text."""
+    """One value as escaped text. Not masked: the URLs on the page are masked where they are read
+    (:mod:`.report`), and masking anything else would mangle names such as ``a:b:c@d``."""
     if value is None:
         return '<span class="muted">-</span>'
     if isinstance(value, bool):
@@ -213,7 +208,7 @@ def _text(value: Any) -> str:
         value = value.isoformat()
     elif isinstance(value, float):
         value = f"{value:.3f}".rstrip("0").rstrip(".") if round(value, 3) else "0"
-    return html.escape(mask_url(str(value)))
+    return html.escape(str(value))
 
 
 def _cell(value: Any) -> str:
@@ -256,7 +251,7 @@ def _section(title: str, data: Any, ident: str) -> str:
 def render_page(*, title: str, node: str, status: Any, schedules: Any, health: Optional[str] = None,
                 refresh: Optional[int] = PAGE_REFRESH) -> str:
     """The status page: *status* and *schedules* are what ``status`` and ``list`` print
-    (their ``as_dict()``), rendered generically: every key and value is escaped and masked."""
+    (their ``as_dict()``), rendered generically: every key and value is escaped."""
     now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
     health_html = f'<p id="health">loop: {_text(health)}</p>' if health else ""
@@ -275,7 +270,7 @@ def render_page(*, title: str, node: str, status: Any, schedules: Any, health: O
 def render_error(exc: BaseException) -> str:
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>cluster-beat status</title>"
             f'<meta http-equiv="refresh" content="{PAGE_REFRESH}"></head><body><h1>cluster-beat status</h1>'
-            f'<p class="bad">cannot read the cluster state: {_text(type(exc).__name__)}: {_text(exc)}</p>'
+            f'<p class="bad">cannot read the cluster state: {_text(type(exc).__name__)}: {_text(mask_url(exc))}</p>'
             "</body></html>")
 
 
@@ -348,7 +343,9 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
         return render_page(title=f"cluster-beat: {settings.cluster_name}", node=settings.node_id,
                            status=status, schedules=schedules, health=health.check()[1])
 
-    server = OpsServer(settings.http_host, settings.http_port, metrics=metrics, health=health, page=page)
+    shown = settings.http_page  # False: /healthz alone
+    server = OpsServer(settings.http_host, settings.http_port, metrics=metrics if shown else None, health=health,
+                       page=page if shown else None, token=settings.http_token)
     try:
         server.start()
     except OSError as exc:
@@ -358,8 +355,9 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
             store.observer = None
         raise ConfigError([f"setting cluster_beat_http_port: cannot listen on {settings.http_host}:"
                            f"{settings.http_port}: {exc}"]) from exc
-    logger.info("cluster-beat: status page, /metrics and /healthz on %s%s", server.url,
-                " (port picked by the system)" if not settings.http_port else "")
+    logger.info("cluster-beat: %s on %s%s%s", "status page, /metrics and /healthz" if shown else "/healthz alone",
+                server.url, " (port picked by the system)" if not settings.http_port else "",
+                " (the page and /metrics need the bearer token)" if shown and settings.http_token else "")
     return BeatOps(server, health, metrics, store, source)
 
 

@@ -269,6 +269,8 @@ def test_port_zero_picks_a_free_port_and_per_schedule_labels_can_be_turned_off(t
 @pytest.mark.parametrize("setting, bad", [
     ("cluster_beat_http_port", 70000), ("cluster_beat_http_port", "8080"), ("cluster_beat_http_port", True),
     ("cluster_beat_http_host", ""), ("cluster_beat_metrics_per_schedule", "no"),
+    ("cluster_beat_http_page", "no"), ("cluster_beat_http_token", "short-token"),
+    ("cluster_beat_http_token", 1234567890123456789), ("cluster_beat_http_token", "a token with spaces in it"),
 ])
 def test_bad_http_settings_are_refused_naming_the_setting(setting, bad):
     from celery import Celery
@@ -281,6 +283,8 @@ def test_bad_http_settings_are_refused_naming_the_setting(setting, bad):
     with pytest.raises(ConfigError) as err:
         load_settings(app.conf, has_result_backend=lambda: False)
     assert f"setting {setting}:" in str(err.value)
+    if setting == "cluster_beat_http_token":
+        assert str(bad) not in str(err.value)  # a secret, even a bad one, is never printed
 
 
 def test_http_settings_default_to_off():
@@ -290,6 +294,19 @@ def test_http_settings_default_to_off():
 
     s = load_settings(Celery("http-settings", broker="memory://").conf, has_result_backend=lambda: False)
     assert (s.http_port, s.http_host, s.metrics_per_schedule) == (None, "127.0.0.1", True)
+    assert (s.http_page, s.http_token) == (True, None)
+
+
+def test_the_token_is_never_printed_with_the_settings():
+    from celery import Celery
+
+    from celery_cluster_beat.config import load_settings
+
+    app = Celery("http-settings", broker="memory://")
+    app.conf.update(cluster_beat_http_token="s3cret-token-0123456789", cluster_beat_http_page=False)
+    s = load_settings(app.conf, has_result_backend=lambda: False)
+    assert (s.http_token, s.http_page) == ("s3cret-token-0123456789", False)
+    assert "s3cret" not in repr(s) and "http_token='***'" in repr(s)
 
 
 def test_each_metrics_instance_counts_only_its_own_scheduler_in_a_registry_of_its_own():

@@ -11,8 +11,13 @@ that process more than a fixed amount, whatever they send:
   a slow page.
 * **A connection cap**: at the cap, a new connection takes the place of the one that
   has waited longest without a complete request (idle keep-alive, slow or silent
-  clients); when every connection is being served the new one is closed at once.
-  Open file descriptors therefore stay at the cap plus four.
+  clients). Open file descriptors therefore stay at the cap plus four.
+* **Room for the probe**: at most the cap less ``INLINE_RESERVE`` connections wait on
+  the pool (queued or being served); a pool request beyond that is answered ``503``
+  at once by the selector thread. However slow a page build (it may wait
+  ``db_timeout`` on the database) and however many clients load it, some connections
+  are therefore always free to evict for ``/healthz``, and a liveness probe never
+  finds the door shut.
 * **Deadlines**: a request head must be complete within ``read_timeout`` of its first
   byte (of the accept, for the first request), a keep-alive connection may idle
   ``idle_timeout`` between requests, a response must be taken within ``write_timeout``.
@@ -39,6 +44,8 @@ __all__ = ["Limits", "Request", "Response", "BoundedHTTPServer"]
 
 #: At most one "connections closed at the cap" warning per this many seconds.
 CAP_WARNING_EVERY = 60.0
+#: Connections kept from pool work for inline requests (``/healthz``): see the module docstring.
+INLINE_RESERVE = 8
 #: Deadlines are checked this often (seconds).
 SWEEP_EVERY = 0.25
 _HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
@@ -160,6 +167,9 @@ class BoundedHTTPServer:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._capped = 0
+        self._busy = 0  # connections queued for, or being served by, the pool
+        self._pool_room = max(1, limits.max_connections - min(INLINE_RESERVE, limits.max_connections // 2))
+        self._turned_away = 0  # pool requests answered 503 since the last warning
         self._capped_logged = float("-inf")
         self._accept_paused_until = 0.0
 
@@ -317,6 +327,12 @@ class BoundedHTTPServer:
             if self._inline(req):
                 self._answer_inline(conn, req, None)
                 continue
+            if self._busy >= self._pool_room:  # keep the rest of the cap for /healthz
+                self._turned_away += 1
+                self._answer_inline(conn, req, Response(503, b"busy: try again shortly\n",
+                                                        headers={"Retry-After": "1"}, close=True))
+                return
+            self._busy += 1
             conn.busy = True
             self._waiting.pop(conn, None)
             self._sel.unregister(conn.sock)  # type: ignore[union-attr]
@@ -359,6 +375,7 @@ class BoundedHTTPServer:
         while self._returned:
             conn, keep = self._returned.popleft()
             conn.busy = False
+            self._busy -= 1
             if not keep or self._stopping.is_set():
                 self._close(conn)
                 continue
@@ -379,10 +396,11 @@ class BoundedHTTPServer:
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._sel.register(self._listener, selectors.EVENT_READ, "listen")  # type: ignore[union-attr]
-        if self._capped and now - self._capped_logged >= CAP_WARNING_EVERY:
-            logger.warning("cluster-beat http: %d connection(s) closed at the cap of %d open connections",
-                           self._capped, self.limits.max_connections)
-            self._capped, self._capped_logged = 0, now
+        if (self._capped or self._turned_away) and now - self._capped_logged >= CAP_WARNING_EVERY:
+            logger.warning("cluster-beat http: %d connection(s) closed at the cap of %d open connections, "
+                           "%d request(s) answered 503 with %d waiting on a page or /metrics",
+                           self._capped, self.limits.max_connections, self._turned_away, self._pool_room)
+            self._capped, self._turned_away, self._capped_logged = 0, 0, now
 
     def _drop(self, conn: _Conn, exc: BaseException) -> None:
         logger.debug("cluster-beat http: %s dropped: %s", conn.peer, type(exc).__name__)

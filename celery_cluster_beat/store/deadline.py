@@ -8,8 +8,9 @@ per-call deadline for that case (libpq and psycopg wait for a reply for ever,
 PyMySQL only per read), so each call of the store gets one here: :class:`Call`
 is armed when the call starts, told which DBAPI connection it is on (the pool's
 connect and checkout events do that, so the pre-ping and the session set-up
-are covered too), and when the deadline passes before the call ends, one
-watchdog thread shuts the connection's socket down. The driver then fails the
+are covered too) and lets go of it in the pool's check-in event (after the
+connection's reset, before another thread can check it out). When the deadline
+passes before then, one watchdog thread shuts the connection's socket down. The driver then fails the
 blocked read at once, SQLAlchemy invalidates the connection, and the store
 raises :class:`~.errors.StoreUnavailable`: the caller's own back-off or
 ``ledger_wait`` holds, and one WARNING says which server stopped answering.
@@ -101,6 +102,15 @@ class Call:
             self._expired = True
             self._cut_locked()
 
+    def release(self) -> None:
+        """The call's connection goes back to the pool (the check-in event calls this, before the
+        pool can hand it out): stop watching it. Under the lock, so a cut already under way
+        ends first and none starts after; a later :meth:`watch` arms the call again."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
     def finish(self) -> None:
         """The call ended: disarm, and let go of the duplicate descriptor."""
         with self._lock:
@@ -133,7 +143,7 @@ class Call:
         except OSError:  # already gone: the driver has noticed by itself
             pass
         finally:
-            sock.detach()  # the descriptor stays ours until finish()
+            sock.detach()  # the descriptor stays ours until release() or finish()
 
 
 class Watchdog:

@@ -50,6 +50,8 @@ _DEADLOCK_ATTEMPTS = 4
 _SERVER_SHARE = 0.8
 #: Marks a connection the pool has not handed out yet (nothing to ping).
 _FRESH = "ccb_fresh"
+#: The :class:`Call` a checked-out connection is watched for (its pool record's ``info``).
+_CALL = "ccb_call"
 
 T = TypeVar("T")
 S = TypeVar("S", bound="StoreEngine")
@@ -151,6 +153,7 @@ class StoreEngine:
                 self._checkout(dialect, dbapi_conn, record)
 
             sa.event.listen(engine, "checkout", checkout)
+            sa.event.listen(engine, "checkin", self._checkin)
             self._dialect.install_events(engine, self._lock_timeout, self.db_timeout * _SERVER_SHARE)
             try:
                 self._prepare_schema(engine)
@@ -218,7 +221,10 @@ class StoreEngine:
     @contextmanager
     def _connection(self, engine: Engine, *, write: bool) -> Iterator[Connection]:
         """A pooled connection for one call, the call bounded by :attr:`db_timeout` from checkout to
-        check-in; a call the bound cut off raises :class:`StoreUnavailable` saying so."""
+        check-in; a call the bound cut off raises :class:`StoreUnavailable` saying so.
+
+        The watch ends at check-in (:meth:`_checkin`, before the pool can hand the connection to
+        another thread), not in the ``finally`` below, which runs after the connection is back."""
         call = Call(self.db_timeout, self.url_masked)
         local = self._local
         outer, local.call = getattr(local, "call", None), call
@@ -248,6 +254,7 @@ class StoreEngine:
         record.info[_FRESH] = True
         call = getattr(self._local, "call", None)
         if call is not None:
+            record.info[_CALL] = call
             call.watch(dbapi_conn)
 
     def _checkout(self, dialect: sa.engine.Dialect, dbapi_conn: Any, record: Any) -> None:
@@ -258,6 +265,7 @@ class StoreEngine:
         """
         call = getattr(self._local, "call", None)
         if call is not None:
+            record.info[_CALL] = call
             call.watch(dbapi_conn)
         if record.info.pop(_FRESH, False) or not self._ping:
             return
@@ -267,6 +275,13 @@ class StoreEngine:
             if (call is None or not call.cut) and dialect.is_disconnect(exc, dbapi_conn, None):
                 raise sa.exc.InvalidatePoolError(f"pre-ping: {type(exc).__name__}") from exc
             raise
+
+    def _checkin(self, dbapi_conn: Any, record: Any) -> None:
+        """The connection goes back to the pool (its reset, itself bounded, is done): its call lets
+        go of it first, so a deadline passing from now on cannot cut it under its next user."""
+        call = record.info.pop(_CALL, None)
+        if call is not None:
+            call.release()
 
     def _run(self, work: Callable[[Connection], T], *, write: bool = True) -> T:
         """Run *work* in one transaction, retrying if the server picked it as a deadlock victim.

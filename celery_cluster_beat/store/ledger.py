@@ -31,9 +31,10 @@ IMMEDIATE). Rules, in the order they are tried:
   main process saw the pool child die and Celery requeued the message), or a ``running``
   row whose process (``run_process``) is known gone by the database's clock (see
   :mod:`.liveness`: heartbeat expired or recorded gone) is taken over, by a
-  compare-and-set on the holder's token, so one delivery re-runs it. How long the run has
-  been going never matters: a live run is never started twice. A row written without a
-  process (an older release) is never judged.
+  compare-and-set on the holder's token, so one delivery re-runs it; the old holder is
+  recorded gone in the same transaction, so a late heartbeat of it cannot revive it (it
+  takes a new identity instead). How long the run has been going never matters: a live run
+  is never started twice. A row written without a process (an older release) is never judged.
 * otherwise **duplicate**: not run; the row's ``duplicates`` counter goes up. When the
   run is ``running`` under a live process and take-overs are allowed, the delivery may
   take the row's one "check later" mark (``check_token``, ``check_at``; atomically): when
@@ -41,6 +42,10 @@ IMMEDIATE). Rules, in the order they are tried:
   pending (none, or one a minute overdue, taken as lost). It then publishes one copy of
   the message due when the process could be judged gone (``check_in``), so a run whose
   worker dies after the broker's last copy was acknowledged is still re-run.
+* **this delivery's own start**: the row is ``running`` under the token the caller passed
+  (one token per delivery, kept across its retries of ``start_run``): an earlier call of this
+  delivery committed but its answer was lost (a connection cut during COMMIT); STARTED
+  again, so the body runs, instead of a DUPLICATE that would drop the run unseen.
 * **no row** (pruned, never claimed, or beat writes another store): the worker inserts
   the row itself (status ``sent``, reason saying so) with its run already started, by an
   insert-if-absent, so exactly one delivery still wins; a row beat inserts meanwhile
@@ -60,7 +65,7 @@ from ..schedules.instants import require_aware
 from ..schedules.occurrence import occurrence_task_id
 from .dialects.base import chunks, new_token
 from .errors import database_errors
-from .liveness import WorkerLiveness, alive_until
+from .liveness import ProcessGone, WorkerLiveness, alive_until, mark_gone
 from .schema import RUN_ERROR_LENGTH, TASK_ID_LENGTH, ClaimStatus, RunState, claims_table, workers_table
 
 #: Run states a Celery retry (a later attempt, same task id) continues.
@@ -150,6 +155,7 @@ class LedgerQueries(WorkerLiveness):
         grace: Optional[float] = None,
         takeover: bool = False,
         check: Optional[str] = None,
+        token: Optional[str] = None,
     ) -> RunStart:
         """Try to start the run of occurrence (*schedule*, *scheduled_at*) for this delivery.
 
@@ -160,7 +166,11 @@ class LedgerQueries(WorkerLiveness):
         (the task acknowledges late) allows a run whose process is gone to be run again;
         *check* is the id of the "check later" copy this delivery is, if it is one. With
         *grace*, the process's heartbeat is refreshed in the same transaction (so a run never
-        names a process the database has not heard of).
+        names a process the database has not heard of); when that process is recorded gone,
+        nothing is done and :class:`~.liveness.ProcessGone` is raised (take a new identity).
+        *token* identifies this delivery (generated when None): pass the same one to every
+        retry of this call for one delivery, so a start that committed although its caller saw
+        an error is recognised as this delivery's own (STARTED), not as a duplicate.
         Raises StoreUnavailable when the database cannot answer, ValueError for a name
         or instant the claim table cannot hold.
         """
@@ -173,7 +183,7 @@ class LedgerQueries(WorkerLiveness):
         worker = clip(worker or "?", MAX_NODE_ID_LENGTH)
         process = clip(process, MAX_NODE_ID_LENGTH) if process else None
         attempt = max(int(retries), 0)
-        token = new_token()[:32]
+        token = (token or new_token())[:32]
         c = claims_table
         key = (c.c.schedule == schedule, c.c.scheduled_at == at)
 
@@ -187,9 +197,10 @@ class LedgerQueries(WorkerLiveness):
             )
             return result.rowcount == 1
 
-        def work(conn: Connection) -> RunStart:
+        def work(conn: Connection) -> Optional[RunStart]:
             if process is not None and grace is not None:
-                self._beat(conn, process, process.rsplit(":", 2)[0], pid, grace)
+                if not self._beat(conn, process, process.rsplit(":", 2)[0], pid, grace):
+                    return None  # ProcessGone, raised below
             now = self._now(conn)
             inserted = False
             for _ in range(3):
@@ -216,8 +227,10 @@ class LedgerQueries(WorkerLiveness):
                     }], ["schedule", "scheduled_at"])
                     inserted = True
                     continue
-                if row.run_token == token:  # the row this call inserted just now
-                    return RunStart(StartOutcome.STARTED, token, inserted=True)
+                if row.run_token == token and row.run_state == RunState.RUNNING.value:
+                    # The row this call inserted just now, or this delivery's own earlier start
+                    # whose answer was lost (see the module docstring): the body runs.
+                    return RunStart(StartOutcome.STARTED, token, inserted=inserted)
                 if row.run_state is None:  # released meanwhile: the next round starts it
                     continue
                 stale = row.run_attempt is not None and row.run_attempt > attempt  # an earlier attempt's copy
@@ -229,6 +242,8 @@ class LedgerQueries(WorkerLiveness):
                     # Compare-and-set on the holder's token: of concurrent deliveries deciding the
                     # same dead run, one re-runs it; the others find the new holder next round.
                     if take(conn, now, c.c.run_token == row.run_token, c.c.run_state == row.run_state):
+                        if row.run_process is not None:  # a late heartbeat must not revive it
+                            mark_gone(conn, row.run_process, now, "its run was taken over")
                         return RunStart(StartOutcome.RERUN, token)
                     continue
                 conn.execute(sa.update(c).where(*key).values(duplicates=sa.func.coalesce(c.c.duplicates, 0) + 1))
@@ -239,7 +254,10 @@ class LedgerQueries(WorkerLiveness):
                                 check_token=check_token, check_in=check_in)
             raise RuntimeError("claim row kept changing while a run started")  # pragma: no cover
 
-        return self._run(work)
+        started = self._run(work)
+        if started is None:
+            raise ProcessGone(f"worker process {process} is recorded gone: take a new identity")
+        return started
 
     def _pending_check(self, conn: Connection, key: Any, row: Any, check: Optional[str], due: datetime,
                        now: datetime) -> tuple[Optional[str], Optional[float]]:
@@ -338,36 +356,47 @@ class LedgerQueries(WorkerLiveness):
         state: RunState,
         error: Optional[str],
         runtime: Optional[float] = None,
+        worker: Optional[str] = None,
     ) -> bool:
-        """Record the end of the run of (*schedule*, *scheduled_at*) held by the process *pid* of
-        *host*, which its worker's main process saw die (lost, killed at a hard time limit,
-        terminated by a revoke), and record that process gone, in one transaction.
+        """Record the end of the run of (*schedule*, *scheduled_at*) whose pool child (*pid* on
+        *host*) its worker's main process saw die (lost, killed at a hard time limit, terminated
+        by a revoke), and record that child gone, in one transaction.
 
-        *state* LOST (Celery requeued the message: its next delivery runs it again at once) or
-        FAILED (it did not: the run is over). A run held by another process meanwhile is left
-        alone. Returns whether the run's row changed.
+        Only the process the run's row names (``run_process``) is judged, and only when its
+        heartbeat row has this *host* and *pid* (and the row's ``worker`` is *worker*, when
+        given): host and pid alone do not name a process (containers sharing a host name have
+        the same small pids), so no other process is ever recorded gone. A run taken over
+        meanwhile is left alone, and so is the dead child's own row (it expires).
+
+        *state* LOST (Celery requeued the message: its next delivery runs it again at once),
+        RETRIED (Celery published a retry, which continues the run) or FAILED (the run is
+        over). Returns whether the run's row changed.
         """
         state = RunState(state)
-        if state not in (RunState.LOST, RunState.FAILED):
-            raise ValueError("end_lost_run() records 'lost' or 'failed'")
+        if state not in (RunState.LOST, RunState.FAILED, RunState.RETRIED):
+            raise ValueError("end_lost_run() records 'lost', 'retried' or 'failed'")
         at = require_aware(scheduled_at, "scheduled_at")
         c, w = claims_table, workers_table
         host = clip(host, MAX_NODE_ID_LENGTH)
         summary = None if error is None else clip(str(error), RUN_ERROR_LENGTH)
+        key = (c.c.schedule == schedule, c.c.scheduled_at == at)
 
         def work(conn: Connection) -> bool:
             now = self._now(conn)
-            processes = [p for p, in conn.execute(sa.select(w.c.process).where(w.c.host == host, w.c.pid == int(pid)))]
-            conn.execute(sa.update(w).where(w.c.host == host, w.c.pid == int(pid), w.c.gone_at.is_(None))
-                         .values(gone_at=now, gone_reason=summary))
-            if not processes:
+            run = conn.execute(sa.select(c.c.run_process, c.c.worker).where(*key)).first()
+            if run is None or run.run_process is None or (worker is not None and run.worker != clip(
+                    worker, MAX_NODE_ID_LENGTH)):
                 return False
+            proc = conn.execute(sa.select(w.c.host, w.c.pid).where(w.c.process == run.run_process)).first()
+            if proc is None or proc.host != host or proc.pid != int(pid):
+                return False
+            mark_gone(conn, run.run_process, now, summary or "")
             result = conn.execute(
                 sa.update(c)
-                .where(c.c.schedule == schedule, c.c.scheduled_at == at,
+                .where(*key,
                        # 'lost': the child's own guess as it was stopped; the main process knows better.
                        c.c.run_state.in_([RunState.RUNNING.value, RunState.LOST.value]),
-                       c.c.run_process.in_(processes))
+                       c.c.run_process == run.run_process)
                 .values(run_state=state.value, finished_at=now, runtime=None if runtime is None else float(runtime),
                         run_error=summary))
             return result.rowcount == 1

@@ -6,7 +6,18 @@ own refreshes (:meth:`WorkerLiveness.worker_heartbeat`, every grace / 4). The ro
 until when the process counts as alive (``expires_at``: the database's time of its last
 heartbeat plus its grace, so the process's own setting decides, not the reader's), and
 ``gone_at`` once its worker's main process saw it die (a lost pool child, a hard time
-limit, a terminating revoke: :meth:`WorkerLiveness.worker_gone`) or it stopped.
+limit, a terminating revoke: :meth:`~.ledger.LedgerQueries.end_lost_run`, for the one process
+its run row names), or once one of its runs was taken over (in the take-over's transaction).
+
+**Gone is for good, and an identity is never shared.** A process is named ``host:pid:random``
+(never by host and pid alone: two containers sharing a host name have the same small pids),
+and a heartbeat never revives a row that is gone: its runs may have been re-run. Such a
+heartbeat answers False (:class:`ProcessGone` from ``start_run``); the process then takes a
+new identity and goes on under it (worker/liveness.py), so nothing runs under a name the
+database counts as dead. A row that merely *expired* (an outage longer than the grace) with
+none of its runs taken over is refreshed: its runs in progress stay its own and alive, rather
+than all becoming re-runnable for good while their bodies still run; a take-over in the
+meantime would have recorded it gone.
 
 A process is **alive** while its row has no ``gone_at`` and ``expires_at`` is not past,
 both by the database's clock; a process without a row is not alive (a run recorded by a
@@ -32,6 +43,11 @@ from .schema import RUN_ERROR_LENGTH, workers_table
 WORKER_ROW_KEEP = timedelta(days=7)
 
 
+class ProcessGone(RuntimeError):
+    """The process named in a ledger call is recorded gone (or its heartbeat expired): the call did
+    nothing. The process takes a new identity and tries again (worker/liveness.py)."""
+
+
 def alive_until(conn: Connection, process: Optional[str], now: datetime) -> Optional[datetime]:
     """When *process* stops counting as alive (its ``expires_at``), or None when it is not alive now."""
     if not process:
@@ -40,6 +56,13 @@ def alive_until(conn: Connection, process: Optional[str], now: datetime) -> Opti
     expires = conn.execute(
         sa.select(w.c.expires_at).where(w.c.process == process, w.c.gone_at.is_(None))).scalar_one_or_none()
     return expires if expires is not None and expires >= now else None
+
+
+def mark_gone(conn: Connection, process: str, now: datetime, reason: str) -> int:
+    """Record *process* gone at *now* (if it is not already); returns rows changed."""
+    w = workers_table
+    return int(conn.execute(sa.update(w).where(w.c.process == process, w.c.gone_at.is_(None)).values(
+        gone_at=now, gone_reason=clip(reason, RUN_ERROR_LENGTH) or None)).rowcount)
 
 
 class WorkerLiveness:
@@ -53,7 +76,8 @@ class WorkerLiveness:
         def _now(self, conn: Connection) -> datetime: ...
 
     def _beat(self, conn: Connection, process: str, host: str, pid: int, grace: float) -> bool:
-        """Refresh (or create) the row of *process*; False when it was recorded gone."""
+        """Refresh (or create) the row of *process*; False when it was recorded gone (never revived:
+        see the module docstring)."""
         now = self._now(conn)
         w = workers_table
         expires = now + timedelta(seconds=float(grace))
@@ -78,23 +102,12 @@ class WorkerLiveness:
         return bool(self._run(lambda conn: self._beat(conn, process, host, pid, grace)))
 
     @database_errors
-    def worker_gone(self, *, process: Optional[str] = None, host: Optional[str] = None, pid: Optional[int] = None,
-                    reason: str = "") -> int:
-        """Record a process gone, by its id or by (host, pid) (what a worker's main process knows of
-        a pool child). Its running runs can then be taken over at once. Returns rows changed."""
-        w = workers_table
-        if process is not None:
-            cond = [w.c.process == process]
-        elif host is not None and pid is not None:
-            cond = [w.c.host == clip(host, MAX_NODE_ID_LENGTH), w.c.pid == int(pid)]
-        else:
-            raise ValueError("worker_gone() needs process, or host and pid")
-
-        def work(conn: Connection) -> int:
-            return int(conn.execute(sa.update(w).where(*cond, w.c.gone_at.is_(None)).values(
-                gone_at=self._now(conn), gone_reason=clip(reason, RUN_ERROR_LENGTH) or None)).rowcount)
-
-        return int(self._run(work))
+    def worker_gone(self, process: str, *, reason: str = "") -> int:
+        """Record *process* gone (by its id, never by host and pid: see the module docstring). Its
+        running runs can then be taken over at once. Returns rows changed."""
+        if not process:
+            raise ValueError("worker_gone() needs the process id")
+        return int(self._run(lambda conn: mark_gone(conn, process, self._now(conn), reason)))
 
     @database_errors
     def prune_workers(self) -> int:
@@ -115,4 +128,4 @@ class WorkerLiveness:
         return bool(self._run(read, write=False))
 
 
-__all__ = ["WORKER_ROW_KEEP", "WorkerLiveness", "alive_until"]
+__all__ = ["WORKER_ROW_KEEP", "ProcessGone", "WorkerLiveness", "alive_until", "mark_gone"]

@@ -237,7 +237,9 @@ workers_table = sa.Table(
     # Each worker process that runs ledger tasks (a prefork pool child, or the worker itself
     # for the solo / threads pools), heartbeating from a thread of its own. Times are the
     # database's: the process is alive until expires_at (its last heartbeat plus its grace),
-    # or until gone_at is set (its worker's main process saw it die, or it stopped).
+    # or until gone_at is set (its worker's main process saw it die, one of its runs was taken
+    # over, or it heartbeat after expiring): gone is for good, the process goes on under a new
+    # id. host and pid are informative: a process is only ever judged by its id (store/liveness.py).
     sa.Column("process", NameType(MAX_NODE_ID_LENGTH), primary_key=True),  # host:pid:random
     sa.Column("host", NameType(MAX_NODE_ID_LENGTH), nullable=False),
     sa.Column("pid", sa.Integer(), nullable=False),

@@ -14,7 +14,7 @@ store before the body runs (:meth:`~..store.ledger.LedgerQueries.start_run`):
   continue the run;
 * **liveness, not age, decides a re-run** (acks_late): the row names the process that runs
   the body (``host:pid:random``), which heartbeats from a thread of its own
-  (:mod:`.liveness`, every ``cluster_beat_worker_grace`` / 4 s, default grace 30 s). A
+  (:mod:`.liveness`, every ``cluster_beat_worker_grace`` / 4 s, default grace 45 s). A
   delivery that finds the run ``running`` runs it again only when that process is known
   gone by the database's clock (heartbeat older than its grace, or recorded gone by its
   worker's main process, :mod:`.outcomes`), or finds it ``lost`` (the pool child died and
@@ -68,10 +68,12 @@ from ..base import MAX_NODE_ID_LENGTH, clip
 from ..config.settings import db_timeout_setting, default_db_url
 from ..signals import RunOutcome
 from ..store import ClaimStore, StoreUnavailable
+from ..store.dialects.base import new_token
 from ..store.ledger import RunStart, StartOutcome, error_summary
+from ..store.liveness import ProcessGone
 from ..store.schema import RunState
 from .calls import enters_delivery
-from .liveness import defer, process_id, start_heartbeat, worker_grace
+from .liveness import defer, process_id, renew_identity, start_heartbeat, worker_grace
 from .protocol import HEADER_CHECK, HEADERS, OccurrenceContext, ProtocolError
 from .tracking import TrackStarted, TrackStartedType, store_started
 
@@ -241,14 +243,30 @@ class LedgerTask(Task, metaclass=TrackStartedType):
 
     # -- the ledger's steps ------------------------------------------------------------
     def _start(self, occ: OccurrenceContext, worker: str) -> RunStart:
+        """Start the run for this delivery, retrying while the database does not answer.
+
+        One token for the delivery, passed to every try: a try whose COMMIT went through although
+        the answer was lost (the connection cut by the store's watchdog) is found again as this
+        delivery's own start, never as a duplicate (which would drop the run unseen). A try that
+        finds this process recorded gone retries at once under a new identity (worker/liveness.py).
+        """
         deadline = time.monotonic() + self.ledger_wait
         pause = 0.2
+        token = new_token()[:32]
+        renewed = 0
         while True:
+            process = process_id()
             try:
                 return ledger_store(self.app).start_run(
                     occ.schedule, occ.scheduled_at, task_id=occ.task_id, worker=worker, pid=os.getpid(),
-                    retries=occ.attempt - 1, process=process_id(), grace=worker_grace(self.app),
-                    takeover=bool(self.acks_late), check=self._check_header())
+                    retries=occ.attempt - 1, process=process, grace=worker_grace(self.app),
+                    takeover=bool(self.acks_late), check=self._check_header(), token=token)
+            except ProcessGone:
+                renew_identity(process)
+                renewed += 1
+                if renewed < 3:
+                    continue  # at once: the new identity's row is written by the same call
+                raise  # pragma: no cover  (a fresh identity is never gone: a bug, not an outage)
             except StoreUnavailable as exc:
                 if time.monotonic() + pause > deadline:
                     return self._give_up(occ, worker, exc)

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from celery_cluster_beat.schedules.occurrence import Occurrence
 from celery_cluster_beat.store import ClaimStore
 from celery_cluster_beat.store.ledger import StartOutcome
+from celery_cluster_beat.store.liveness import ProcessGone
 from celery_cluster_beat.store.schema import RunState, claims_table
 
 UTC = timezone.utc
@@ -27,7 +28,7 @@ T0 = datetime(2031, 1, 1, tzinfo=UTC)
 STARTED, CONTINUED, RERUN, DUPLICATE = (StartOutcome.STARTED, StartOutcome.CONTINUED, StartOutcome.RERUN,
                                         StartOutcome.DUPLICATE)
 ALIVE = 120.0  # a grace no test outlives
-TINY = 0.3  # a grace a test waits out
+TINY = 3.0  # a grace a test waits out (long enough to outlive the next round trips on a loaded machine)
 
 
 def occ(name: str) -> Occurrence:
@@ -35,9 +36,14 @@ def occ(name: str) -> Occurrence:
 
 
 def deliver(store: ClaimStore, o: Occurrence, process: str, *, grace: float = ALIVE, retries: int = 0,
-            takeover: bool = True, check: Optional[str] = None):
-    return store.start_run(o.schedule, o.at, task_id=o.task_id, worker=f"{process}@w", pid=int(process[1:] or 1),
-                           retries=retries, process=f"host:{process}:x", grace=grace, takeover=takeover, check=check)
+            takeover: bool = True, check: Optional[str] = None, token: Optional[str] = None,
+            pid: Optional[int] = None):
+    """A delivery by process *process* (``pN``, or a full ``host:pid:random`` id)."""
+    if ":" not in process:
+        pid, process = pid or int(process[1:] or 1), f"host:{process}:x"
+    return store.start_run(o.schedule, o.at, task_id=o.task_id, worker=f"{process}@w", pid=pid or 1,
+                           retries=retries, process=process, grace=grace, takeover=takeover, check=check,
+                           token=token)
 
 
 def row(store: ClaimStore, o: Occurrence):
@@ -46,7 +52,7 @@ def row(store: ClaimStore, o: Occurrence):
 
 
 def expire(grace: float = TINY) -> None:
-    time.sleep(grace + 0.4)
+    time.sleep(grace + 1.0)
 
 
 def age_the_run(raw, o: Occurrence, days: int = 400) -> None:
@@ -82,15 +88,20 @@ def test_a_run_whose_heartbeat_expired_is_rerun_once_and_its_old_holder_cannot_o
     assert deliver(store, o, "p2", takeover=False).outcome is DUPLICATE  # acks early: never taken over
     rerun = deliver(store, o, "p2")
     assert rerun.outcome is RERUN and rerun.token != first.token
-    for p in ("p3", "p1", "p2"):
+    for p in ("p3", "p2"):
         assert deliver(store, o, p).outcome is DUPLICATE  # the re-run is alive: once per death
     assert not store.finish_run(o.schedule, o.at, first.token, RunState.SUCCEEDED, 9.0)
     r = row(store, o)
     assert (r.run_state, r.run_process) == ("running", "host:p2:x")
     assert store.run_states([(o.schedule, o.at)])[(o.schedule, o.at)].run_state == "running"
-    # A late heartbeat of the old holder (it was only judged gone, not recorded) does not give the run back.
-    assert store.worker_heartbeat("host:p1:x", host="host", pid=1, grace=ALIVE)
-    assert deliver(store, o, "p1").outcome is DUPLICATE and row(store, o).run_process == "host:p2:x"
+    # The take-over recorded the old holder gone: a late heartbeat or delivery of it does not revive
+    # it (the process takes a new identity) and does not give the run back.
+    assert not store.worker_heartbeat("host:p1:x", host="host", pid=1, grace=ALIVE)
+    assert not store.worker_alive("host:p1:x")
+    with pytest.raises(ProcessGone):
+        deliver(store, o, "p1")
+    assert deliver(store, o, "host:p1:renewed", pid=1).outcome is DUPLICATE
+    assert row(store, o).run_process == "host:p2:x"
     assert store.finish_run(o.schedule, o.at, rerun.token, RunState.SUCCEEDED, 0.5)
 
 
@@ -98,7 +109,7 @@ def test_a_process_recorded_gone_has_its_run_taken_over_at_once(make_store):
     store = make_store("worker")
     o = occ("gone")
     deliver(store, o, "p7")
-    assert store.worker_gone(host="host", pid=7, reason="WorkerLostError: signal 9") == 1
+    assert store.worker_gone("host:p7:x", reason="WorkerLostError: signal 9") == 1
     assert not store.worker_heartbeat("host:p7:x", host="host", pid=7, grace=ALIVE)  # never revived
     assert not store.worker_alive("host:p7:x")
     assert deliver(store, o, "p8").outcome is RERUN
@@ -274,3 +285,56 @@ def test_the_main_process_verdict_overrides_the_lost_its_stopped_child_recorded(
     r = row(store, o)
     assert (r.run_state, r.run_error) == ("failed", "revoked (terminated): Terminated: 15")
     assert deliver(store, o, "p5").outcome is DUPLICATE
+
+
+def test_a_start_that_committed_unseen_is_this_deliverys_own_not_a_duplicate(make_store):
+    """The watchdog may cut the connection during COMMIT: the start is stored but the worker saw an
+    error and tries again with the same delivery token. That try must run the body (STARTED), not
+    be a duplicate that drops the run; another delivery's token is still a duplicate."""
+    store = make_store("worker")
+    for o, claimed in ((occ("unseen"), False), (Occurrence("unseen", T0 + timedelta(minutes=1)), True)):
+        if claimed:  # beat's row first (the update path); else the worker inserts the row
+            store.claim([o])
+        got = deliver(store, o, "p1", token="delivery-1")
+        assert got.outcome is STARTED and got.token == "delivery-1"
+        again = deliver(store, o, "p1", token="delivery-1")  # the retry of the same delivery
+        assert again.outcome is STARTED and again.runs and again.token == "delivery-1"
+        assert deliver(store, o, "p2", token="delivery-2").outcome is DUPLICATE
+        assert store.finish_run(o.schedule, o.at, "delivery-1", RunState.SUCCEEDED, 0.1)
+        assert deliver(store, o, "p1", token="delivery-1").outcome is DUPLICATE  # over: never again
+
+
+def test_a_lost_child_is_judged_by_the_process_its_run_names_never_by_host_and_pid(make_store):
+    """Two containers sharing a host name: each has a pool child with pid 7. The one whose child
+    died records the loss of its own run only; the other's live child and run are untouched."""
+    store = make_store("worker")
+    mine, theirs = occ("pidns-mine"), occ("pidns-theirs")
+    deliver(store, mine, "host:7:aaaa", pid=7)
+    deliver(store, theirs, "host:7:bbbb", pid=7)
+    assert not store.end_lost_run(theirs.schedule, theirs.at, host="host", pid=8, state=RunState.FAILED, error="x")
+    assert store.end_lost_run(mine.schedule, mine.at, host="host", pid=7, state=RunState.LOST, error="x")
+    assert not store.worker_alive("host:7:aaaa")
+    assert store.worker_alive("host:7:bbbb")
+    assert row(store, theirs).run_state == "running"
+    assert deliver(store, theirs, "p9").outcome is DUPLICATE  # a live run is never started twice
+    assert deliver(store, mine, "p9").outcome is RERUN
+
+
+def test_a_process_recorded_gone_never_runs_under_that_name_and_one_merely_expired_keeps_its_run(make_store):
+    store = make_store("worker")
+    o, kept = occ("revived"), Occurrence("revived", T0 + timedelta(minutes=1))
+    assert store.worker_heartbeat("host:p3:x", host="host", pid=3, grace=ALIVE)
+    assert store.worker_gone("host:p3:x", reason="WorkerLostError") == 1
+    assert not store.worker_heartbeat("host:p3:x", host="host", pid=3, grace=ALIVE)  # gone for good
+    with pytest.raises(ProcessGone):
+        deliver(store, o, "p3")
+    assert store.run_states([(o.schedule, o.at)]) == {}  # nothing was started under the dead name
+    assert deliver(store, o, "host:p3:fresh", pid=3).outcome is STARTED  # a new identity runs it
+    # An outage longer than the grace, nobody took the run over: the next heartbeat refreshes the
+    # row and the run is alive again (never started twice while its body still runs).
+    deliver(store, kept, "p4", grace=TINY)
+    expire()
+    assert store.run_states([(kept.schedule, kept.at)])[(kept.schedule, kept.at)].worker_gone
+    assert store.worker_heartbeat("host:p4:x", host="host", pid=4, grace=ALIVE)
+    assert deliver(store, kept, "p5").outcome is DUPLICATE
+    assert store.run_states([(kept.schedule, kept.at)])[(kept.schedule, kept.at)].run_state == "running"

@@ -145,6 +145,12 @@ class LedgerMachine(RuleBasedStateMachine):
         state = RunState.LOST if requeued else RunState.FAILED
         changed = self.store.end_lost_run(NAME, AT, host="host", pid=pid, state=state, error="WorkerLostError: x")
         assert changed == holds
+        # Only the process the run's row names is recorded gone by the main process; another dead
+        # child's row would expire: the model records it gone at once.
+        if holds:
+            assert not self.store.worker_alive(proc(pid))
+        else:
+            self.store.worker_gone(proc(pid), reason="died")
         self._died(pid)
         if holds:
             m.state = state.value

@@ -216,9 +216,10 @@ def test_a_celery_retry_continues_the_occurrence(setup):
 
 
 #: Redis hands an unacknowledged message out again after 5 s, to any worker, even while the
-#: run is alive; worker processes count as alive for 4 s after their last heartbeat.
+#: run is alive; worker processes count as alive for *grace* s after their last heartbeat. Database
+#: calls are bounded at 2 s, so a grace from 5.4 s is allowed (2 x db_timeout + grace / 4).
 SHORT_VISIBILITY = ('{"broker_transport_options": {"visibility_timeout": 5, "unacked_restore_interval": 1, '
-                    '"unacked_restore_throttle": 1}, "cluster_beat_worker_grace": %s}')
+                    '"unacked_restore_throttle": 1}, "cluster_beat_db_timeout": 2, "cluster_beat_worker_grace": %s}')
 
 
 @pytest.mark.slow
@@ -258,7 +259,7 @@ def test_a_long_acks_late_run_starts_once_while_its_child_lives_and_reruns_once_
     while the run is alive; none of those deliveries runs (one "check later" copy at a time).
     The pool child is then SIGKILLed: its worker's main process records the run lost and Celery
     requeues it (task_reject_on_worker_lost): it runs again, once."""
-    grace = 4.0
+    grace = 5.5
     s = setup(conf=SHORT_VISIBILITY % grace)
     worker = s.worker(concurrency=2)  # a free child handles the redeliveries meanwhile
     o = s.occurrence("long-body")
@@ -287,7 +288,7 @@ def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_pro
     """The pool child is killed by the worker (hard time limit) or by a revoke(terminate=True):
     it records nothing itself; the worker's main process ends the row ``failed`` with the reason,
     so the run does not read ``running`` and the guard is free."""
-    s = setup(conf='{"cluster_beat_worker_grace": 4}')
+    s = setup(conf='{"cluster_beat_db_timeout": 2, "cluster_beat_worker_grace": 5.5}')
     s.worker(concurrency=2)
     timed, killed, termed = s.occurrence("time-limited"), s.occurrence("revoked-kill"), s.occurrence("revoked-term")
     s.publish("t.limited", timed)
@@ -304,7 +305,7 @@ def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_pro
     for o in (killed, termed):
         r = s.wait_row(o, lambda r: r.run_state == "failed", 60, "the terminating revoke to be recorded")
         assert r.run_error.startswith("revoked (terminated)") and r.finished_at is not None, r
-    time.sleep(6)  # past the grace: none runs again
+    time.sleep(6.5)  # past the grace: none runs again
     assert [len(s.runs(o.task_id)) for o in (timed, killed, termed)] == [1, 1, 1], s.logs()
     states = s.store.run_states([(o.schedule, o.at) for o in (timed, killed, termed)])
     assert {st.run_state for st in states.values()} == {"failed"}

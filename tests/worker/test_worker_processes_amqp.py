@@ -146,7 +146,7 @@ def test_acks_late_worker_killed_mid_run_rabbitmq_redelivery_runs_once_the_heart
     (``redelivered=True``). That delivery is not run while the dead process's heartbeat is younger
     than its grace (6 s); it leaves one copy that re-runs the occurrence once it is older."""
     grace = 6.0
-    s = setup(conf='{"cluster_beat_worker_grace": %s}' % grace)
+    s = setup(conf='{"cluster_beat_db_timeout": 2, "cluster_beat_worker_grace": %s}' % grace)
     first = s.worker(concurrency=1)
     o = s.occurrence("killed-amqp")
     s.publish("t.long", o)
@@ -175,8 +175,8 @@ def test_a_sigkilled_pool_child_is_recorded_by_its_worker_and_rerun_only_when_re
     end on the row: with task_reject_on_worker_lost RabbitMQ gets the message back and its
     redelivery runs the occurrence again at once (once); without, Celery acknowledges it and
     stores FAILURE: the row ends ``failed`` with the reason and nothing runs again."""
-    grace = 4.0
-    s = setup(conf='{"cluster_beat_worker_grace": %s}' % grace)
+    grace = 5.5
+    s = setup(conf='{"cluster_beat_db_timeout": 2, "cluster_beat_worker_grace": %s}' % grace)
     worker = s.worker(concurrency=2)
     o = s.occurrence(f"child-killed-{requeue}")
     s.publish("t.slow_requeue" if requeue else "t.slow", o, (120.0,))

@@ -392,6 +392,7 @@ def test_idle_ticks_issue_no_sql_housekeeping_runs_only_every_third_of_the_grace
                 with _statements() as seen:
                     sleeps = [sched.tick() for _ in range(200)]
                 assert time.monotonic() - started < grace / 3, "the host is too slow for this test"
+                idle_took = time.monotonic() - started
                 assert all(0 < s <= sched.max_interval for s in sleeps), sorted(sleeps)[:5]
                 results[grace] = seen
             else:
@@ -402,7 +403,12 @@ def test_idle_ticks_issue_no_sql_housekeeping_runs_only_every_third_of_the_grace
                 results[grace] = (beats, elapsed, seen)
         finally:
             sched.close()
-    assert results[30.0] == []
+    # The stored-schedule change counter is the change feed, not housekeeping: with a lease it
+    # is read every 5 s without a notice, or every second while the notice channel is not up
+    # yet (a loaded host). At most that often; nothing else.
+    feed = [s for s in results[30.0] if "version" in s or s == "BEGIN"]
+    assert [s for s in results[30.0] if s not in feed] == []
+    assert len(feed) <= 2 * (idle_took + 1), feed
     beats, elapsed, seen = results[1.5]
     assert 1 <= len(beats) <= elapsed / 0.5 + 1, (len(beats), elapsed, seen)
 

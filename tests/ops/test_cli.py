@@ -99,6 +99,7 @@ def test_it_is_a_subcommand_of_celery_beside_beat_and_worker(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_status_and_list_show_a_running_cluster(tmp_path, redis_url, pg_url, cluster_factory, monkeypatch):
     from celery_cluster_beat import cron
     from celery_cluster_beat.dynamic import StoredSchedules
@@ -157,6 +158,7 @@ def test_status_and_list_show_a_running_cluster(tmp_path, redis_url, pg_url, clu
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_history_shows_sent_started_finished_and_errors_from_a_real_worker(tmp_path, redis_url, pg_url,
                                                                             cluster_factory):
     tasks = '''
@@ -212,6 +214,7 @@ def test_history_shows_sent_started_finished_and_errors_from_a_real_worker(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_run_now_pressed_twice_at_once_gives_one_manual_run(tmp_path, redis_url, pg_url, cluster_factory):
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_url, conf=TTL_GRACE,
                     schedule="{'tick': {'task': 't.record', 'schedule': every(1)},"
@@ -261,6 +264,7 @@ def test_run_now_pressed_twice_at_once_gives_one_manual_run(tmp_path, redis_url,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_pause_and_resume_config_and_stored_schedules_across_a_restart(tmp_path, redis_url, pg_url,
                                                                        cluster_factory, monkeypatch):
     from celery_cluster_beat import every
@@ -328,6 +332,7 @@ def test_pause_and_resume_config_and_stored_schedules_across_a_restart(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_prune_deletes_finished_rows_older_than_asked(tmp_path, redis_url, pg_url):
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_url, schedule="{}")
     store = ClaimStore(pg_url, node_id="test-writer")
@@ -371,6 +376,7 @@ def test_check_gives_one_line_per_problem_and_exit_1(tmp_path, redis_url):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # process-heavy: room on a loaded 2-core machine
 def test_bad_input_is_one_line_and_exit_1(tmp_path, redis_url, pg_url):
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_url,
                     schedule="{'tick': {'task': 't.record', 'schedule': every(60)}}")

@@ -406,11 +406,11 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
 def test_take_over_is_bounded_by_limit(make_store):
     dead, sweeper = make_store("node-dead"), make_store("node-a")
     dead.claim([occ("s", i) for i in range(7)])
-    time.sleep(0.5)
-    first = sweeper.take_over_stale(0.2, limit=5)
+    time.sleep(2.5)  # a grace of 2 s: the adopted rows stay fresh across the next calls, even loaded
+    first = sweeper.take_over_stale(2.0, limit=5)
     assert first == [occ("s", i) for i in range(5)]  # oldest claims first (then by key)
-    assert len(sweeper.take_over_stale(0.2, limit=5)) == 2  # adopted rows are no longer stale
-    assert sweeper.take_over_stale(0.2, limit=5) == []
+    assert len(sweeper.take_over_stale(2.0, limit=5)) == 2  # adopted rows are no longer stale
+    assert sweeper.take_over_stale(2.0, limit=5) == []
 
 
 # --------------------------------------------------------------------------- pruning

@@ -60,6 +60,14 @@ def flaky(self):
     return "done"
 
 
+@app.task(bind=True, base=LedgerTask, name="t.endless", max_retries=None)
+def endless(self, retry_at):
+    _push(self, retries=self.request.retries)
+    if self.request.retries in retry_at:
+        raise self.retry(countdown=0)
+    return self.request.retries
+
+
 def _slow(task, seconds):
     """The first run of an occurrence takes *seconds*; a re-run is quick."""
     _push(task)
@@ -123,11 +131,12 @@ class Setup:
             assert self.store.mark_sent([o]) == 1
         return o
 
-    def publish(self, task: str, o: Occurrence, args=(), max_run_time: float = 600.0) -> None:
+    def publish(self, task: str, o: Occurrence, args=(), max_run_time: float = 600.0, retries: int = 0) -> None:
         headers = {"cluster_beat_schedule": o.schedule, "cluster_beat_scheduled_at": utc_iso(o.at),
                    "cluster_beat_node": "beat-under-test", "cluster_beat_catchup": False,
                    "cluster_beat_attempt": 1, "cluster_beat_max_run_time": max_run_time}
-        self.producer.send_task(task, args, task_id=o.task_id, headers=headers, queue=self.app.queue)
+        self.producer.send_task(task, args, task_id=o.task_id, headers=headers, queue=self.app.queue,
+                                retries=retries)
 
     def row(self, o: Occurrence):
         rows = [r for r in self.store.claims(o.schedule) if r.scheduled_at == o.at]
@@ -309,3 +318,25 @@ def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_pro
     assert [len(s.runs(o.task_id)) for o in (timed, killed, termed)] == [1, 1, 1], s.logs()
     states = s.store.run_states([(o.schedule, o.at) for o in (timed, killed, termed)])
     assert {st.run_state for st in states.values()} == {"failed"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_retry_ten_thousand_of_an_unbounded_task_runs_and_its_duplicate_does_not(setup):
+    """``max_retries=None``: retries have no upper bound, so attempt 10,000 is an attempt like
+    any other. The test publishes the message of retry 9,998 (as Celery would after 9,998
+    retries); from there the worker's own ``self.retry`` publishes 9,999 and 10,000: each
+    continues the run, and a copy of the retry-10,000 message is a duplicate."""
+    s = setup()
+    s.worker(concurrency=2)
+    o = s.occurrence("ten-thousand")
+    s.publish("t.endless", o, ([9998, 9999],), retries=9998)
+    r = s.wait_row(o, lambda r: r.run_state == "succeeded", 60, "retry 10,000 to run and succeed")
+    runs = s.runs(o.task_id)
+    assert [(x["retries"], x["attempt"], x["schedule"]) for x in runs] == [
+        (9998, 9999, o.schedule), (9999, 10000, o.schedule), (10000, 10001, o.schedule)], s.logs()
+    assert r.duplicates is None and r.run_error is None
+    # The retry-10,000 message delivered again: that attempt has run, it does not run again.
+    s.publish("t.endless", o, ([9998, 9999],), retries=10000)
+    s.wait_row(o, lambda r: r.duplicates == 1, 60, "the copy of retry 10,000 to be counted as a duplicate")
+    assert len(s.runs(o.task_id)) == 3 and s.row(o).run_state == "succeeded", s.logs()

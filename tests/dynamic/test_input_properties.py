@@ -123,20 +123,20 @@ def _add_and_check(api: StoredSchedules, name: Any, field: str, value: Any, blam
     return True
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(field=st.sampled_from(FIELDS), value=ANYTHING)
 def test_add_accepts_and_works_or_refuses_naming_the_field(api, field, value):
     _add_and_check(api, "prop", field, value)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=ANYTHING)
 def test_any_name_is_accepted_and_works_or_refused_as_the_name(api, name):
     _add_and_check(api, name, "task", "t.record", blame="name")
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(field=st.sampled_from(FIELDS + ("tz",)), value=ANYTHING)
 def test_update_accepts_and_works_or_refuses_naming_the_field_and_keeps_the_row(api, field, value):
@@ -156,7 +156,7 @@ def test_update_accepts_and_works_or_refuses_naming_the_field_and_keeps_the_row(
         api.remove("upd")
 
 
-@settings(max_examples=180, deadline=None)
+@settings(max_examples=90, deadline=None)
 @given(field=st.sampled_from(FIELDS), value=ANYTHING)
 def test_a_beat_schedule_entry_is_built_and_works_or_refused_naming_the_field(field, value):
     app = _app("sqlite://")
@@ -176,7 +176,7 @@ SETTINGS = ("cluster_beat_lock_ttl", "cluster_beat_catchup_window", "cluster_bea
             "cluster_beat_cluster_name", "cluster_beat_http_port", "beat_cron_starting_deadline")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(setting=st.sampled_from(SETTINGS), value=ANYTHING)
 def test_a_setting_is_accepted_and_usable_or_refused_naming_it(setting, value):
     app = _app("sqlite://")

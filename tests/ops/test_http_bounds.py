@@ -424,7 +424,7 @@ _PARTS = st.sampled_from([b"GET", b"HEAD", b"POST", b" ", b"/", b"/healthz", b"/
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.one_of(st.lists(_PARTS, max_size=40).map(b"".join), st.binary(max_size=600)))
 def test_whatever_a_client_sends_the_server_answers_or_closes_and_healthz_still_answers(fuzz_server, data):
     with socket.create_connection(("127.0.0.1", fuzz_server.port), timeout=10) as s:

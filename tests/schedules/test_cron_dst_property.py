@@ -240,7 +240,7 @@ def case(draw):
     return zone, start, end, f"{minute} {hour} {dom} {month} {dow}", a, b
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case())
 @pytest.mark.timeout(300)  # CPU-heavy: room on a loaded 2-core machine
 def test_generated_expressions_fire_like_vixie_around_transitions(data):

@@ -400,7 +400,8 @@ def test_a_dead_nodes_claims_are_taken_over_exactly_once(make_store):
     assert dead.mark_sent(stale) == 0  # the old owner, back from the dead, owns nothing
     winner = sweepers[0] if taken["node-a"] else sweepers[1]
     assert winner.mark_sent(taken[winner.node_id]) == len(taken[winner.node_id])
-    assert sweepers[0].take_over_stale(grace) == []
+    # Nothing else is left stale (the fresh claim may be by now, on a loaded host: its node is dead).
+    assert [o for o in sweepers[0].take_over_stale(grace) if o.schedule != "fresh"] == []
 
 
 def test_take_over_is_bounded_by_limit(make_store):

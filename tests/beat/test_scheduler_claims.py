@@ -128,10 +128,13 @@ def _run_three_beats(tmp: Path, db_url: str, broker: str) -> ClusterRun:
                  what="a message after all three beats started")
 
         # A node that claims an occurrence and dies before sending it: its row stays 'claimed'.
-        t0 = _sleep_to_half_second()
-        orphan = Occurrence("tick", _second(t0) + timedelta(seconds=2))
+        # Opened (schema check, session set-up) before the half second: only the claim itself
+        # races the live beats' claim-ahead, not a loaded host's connection set-up.
         dead = ClaimStore(db_url, node_id="dead-node")
         dead.open()
+        dead.current_term()  # a read: the pooled connection is up
+        t0 = _sleep_to_half_second()
+        orphan = Occurrence("tick", _second(t0) + timedelta(seconds=2))
         try:
             assert dead.claim([orphan]) == [orphan], "the live beats claimed the orphan first: test set-up too slow"
         finally:

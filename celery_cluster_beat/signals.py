@@ -32,6 +32,9 @@ class RunOutcome(StrEnum):
     CONTINUED = "continued"  # a Celery retry (same task id) took the run over
     RERUN = "rerun"  # redelivered after the process running it was known gone (acks_late)
     DUPLICATE_SKIPPED = "duplicate-skipped"  # another delivery holds or held the run: body not run
+    #: Headers beat cannot have written (a row-less instant ahead of the database's clock, a schedule
+    #: that runs another task): body not run, nothing recorded on the claim row (store/provenance.py).
+    REFUSED = "refused"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     RETRIED = "retried"  # the body called self.retry(): the retry continues the occurrence

@@ -171,18 +171,16 @@ class DuePass:
         """Record occurrences that end ``failed`` unsent, each with its reason, the way a publish
         that failed for good is recorded: claimed (fenced, so no other node sends it), then marked
         failed (the schedule's ``last_error`` and ``failed`` counter with it). A row another node
-        holds is left to it; one this node claimed on an earlier try is marked now."""
+        holds is left to it; one this node claimed on an earlier try is marked now. All of them in
+        two statements' transactions, however many (a few hundred refused rows falling due together
+        must not hold the loop and its lease)."""
         if not failed:
             return
         node = self.node
-        by_reason: Dict[str, List[Occurrence]] = {}
-        for _, occ, reason in failed:
-            by_reason.setdefault(reason, []).append(occ)
-        for reason, occs in by_reason.items():
-            node.store.claim(occs, term=node.term(), reason=reason)
-            for occ in occs:
-                if node.store.mark_failed(occ, reason, final=True):
-                    node.report(Outcome.FAILED, occ, reason)
+        node.store.claim([occ for _, occ, _ in failed], term=node.term(), reason="cannot be sent")
+        reasons = {(occ.schedule, occ.at): reason for _, occ, reason in failed}
+        for occ in node.store.fail_claimed([(occ, reason) for _, occ, reason in failed]):
+            node.report(Outcome.FAILED, occ, reasons[(occ.schedule, occ.at)])
 
     def _run_ahead(self, instant: datetime) -> None:
         """Claim the occurrences due at *instant* (a moment away) now and publish them at it.

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from .. import signals
 from ..base import StrEnum
 from ..config import Entry
+from ..config.values import printable
 from ..schedules.occurrence import Occurrence
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -37,15 +38,17 @@ class Reporter:
 
     def __call__(self, outcome: Outcome, occ: Occurrence, reason: Optional[str] = None,
                  entry: Optional[Entry] = None, *, log: bool = True) -> None:
-        if log:
+        if log:  # names as operators read them: a stored name's bidi or control characters escaped
             if entry is not None and outcome in (Outcome.SENT, Outcome.RESENT):
                 # Celery's own beat line, so existing log searches keep working.
-                logger.info("Scheduler: Sending due task %s (%s) for %s%s", entry.name, entry.task,
-                            occ.at.isoformat(), " (resent)" if outcome is Outcome.RESENT else "")
+                logger.info("Scheduler: Sending due task %s (%s) for %s%s", printable(entry.name),
+                            printable(entry.task), occ.at.isoformat(),
+                            " (resent)" if outcome is Outcome.RESENT else "")
             elif outcome is Outcome.CLAIM_LOST:
-                logger.debug("cluster-beat: %s at %s was claimed by another node", occ.schedule, occ.at.isoformat())
+                logger.debug("cluster-beat: %s at %s was claimed by another node", printable(occ.schedule),
+                             occ.at.isoformat())
             else:
-                logger.info("cluster-beat: %s at %s: %s%s", occ.schedule, occ.at.isoformat(), outcome,
-                            f" ({reason})" if reason else "")
+                logger.info("cluster-beat: %s at %s: %s%s", printable(occ.schedule), occ.at.isoformat(), outcome,
+                            f" ({printable(reason)})" if reason else "")
         signals.occurrence_handled.send(sender=self.sender, outcome=outcome, schedule=occ.schedule,
                                         scheduled_at=occ.at, task_id=occ.task_id, reason=reason)

@@ -29,6 +29,7 @@ from celery import beat
 
 from ..config import Entry, Settings, build_entries, default_entries, load_settings
 from ..config.celeryconf import has_result_backend
+from ..config.options import trusted_option_warnings
 from ..errors import ConfigError
 from ..leader.urls import mask_url
 from ..store import StaleTermError, StoreUnavailable
@@ -83,6 +84,8 @@ class Scheduler(beat.Scheduler):
             problems += configuration_problems(app, self.settings, self.entries.values())
         if problems:
             startup.refuse(ConfigError(problems), self._host, logger)
+        for line in trusted_option_warnings(self.entries.values()):  # trusted, but said once (config/options.py)
+            logger.warning("cluster-beat: %s", line)
         self._clock = NodeClock(self.settings.node_id)
         self._report = Reporter(self)
         #: What every room shares (the queue, the entries, the store, the lease, the back-off).
@@ -192,7 +195,8 @@ class Scheduler(beat.Scheduler):
             f"{mask_url(s.redis_url)} (ttl {s.lock_ttl:g}s)" if s.redis_url else "off (replicas race on claims)",
         )
         if self._ops is not None:
-            self._ops.attach(lease=node.lease, also_from=(node.guard,))
+            self._ops.attach(lease=node.lease, also_from=(node.guard,), config=node.static)
+            node.schedule_gone = self._ops.metrics.schedule_gone
         if node.lease is None:
             # Replicas race for every fire: the guard must see the runs the other replicas sent.
             node.guard.refresh = node.store.schedule_states

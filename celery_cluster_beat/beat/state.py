@@ -96,6 +96,9 @@ class NodeState:
         #: This node schedules (holds the lease, or runs without one and has read the store).
         self.active = False
         self.backoff = StoreBackoff()
+        #: Told the name of a schedule that stops for good (removed, disabled, paused, unreadable): the
+        #: metrics drop its series (beat's HTTP server sets it; nothing to tell otherwise).
+        self.schedule_gone: Callable[[str], None] = lambda name: None
 
     def term(self) -> Optional[int]:
         """The fencing term claims are made with (None without a lease)."""

@@ -158,6 +158,7 @@ class StoredFollower:
         if gone is not None:
             self._guard_forget(name, gone)
             node.pipeline.forget(name, f"the schedule was {gone} before this occurrence was sent")
+            node.schedule_gone(name)
         if name in node.static:
             if gone is not None:
                 node.queue.remove(name)

@@ -2,7 +2,8 @@
 
 Owns the ``cluster_beat_*`` settings (:mod:`.settings`), the ``beat_schedule``
 entries (:mod:`.entries`), the value kinds both share: policies and durations
-(:mod:`.values`), and every other piece of knowledge about Celery's own
+(:mod:`.values`), what a schedule's ``options`` may ask of Celery's send
+(:mod:`.options`: checked for config entries, allow-listed for stored schedules), and every other piece of knowledge about Celery's own
 configuration (:mod:`.celeryconf`): result backend, the lease's Redis client
 options, default entries. Bad input is one :class:`~celery_cluster_beat.errors.ConfigError`
 listing every problem, each naming the setting or the entry and field.

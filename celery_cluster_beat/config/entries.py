@@ -12,8 +12,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..base import MAX_NAME_LENGTH
 from ..errors import ConfigError, ScheduleError
 from ..schedules import ClusterSchedule, as_schedule
-from .values import (MAX_SECONDS, MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem,
-                     shown, text_problem)
+from .options import option_problems
+from .values import (MAX_SECONDS, MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, description_problem,
+                     seconds_problem, shown, text_problem)
 
 CELERY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
 OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description")
@@ -39,6 +40,9 @@ class Entry:
     #: Why this (stored) entry must not be sent, though its instants are known: a field out of range
     #: in its row (written by hand or by another release). Each occurrence ends ``failed`` with it.
     refused: Optional[str] = None
+    #: The same reasons, each with the row's column it is about (``options``, ``catchup_window``):
+    #: an update that leaves that column as it is is not refused for it.
+    refusals: Tuple[Tuple[str, str], ...] = ()
     #: Where the entry comes from: None for ``beat_schedule``; for a stored schedule the
     #: version of its definition (the leader's writes about it are conditional on it).
     stored_version: Optional[int] = None
@@ -46,32 +50,6 @@ class Entry:
     # Celery's ScheduleEntry exposes these; tools that read beat's schedule expect them.
     last_run_at: Optional[datetime] = None
     total_run_count: int = 0
-
-
-#: Options Celery reads as seconds (a number; ``expires`` may also be a datetime).
-_SECONDS_OPTIONS = ("expires", "countdown", "time_limit", "soft_time_limit")
-
-
-def _check_options(options: Any) -> Optional[str]:
-    if not isinstance(options, Mapping):
-        return f"expected a dict, got {type(options).__name__}"
-    headers = options.get("headers")
-    if headers is not None and not isinstance(headers, Mapping):
-        return f"headers: expected a dict, got {type(headers).__name__}"
-    priority = options.get("priority")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255):
-        return f"priority: expected an integer 0-255, got {shown(priority)}"
-    for key in ("queue", "routing_key"):
-        value = options.get(key)
-        if value is not None and not isinstance(value, str) and not hasattr(value, "name"):
-            return f"{key}: expected a string, got {shown(value)}"
-    for key in _SECONDS_OPTIONS:  # built into every message: out of range, each send would fail
-        value = options.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            reason = seconds_problem(value, zero_ok=True)
-            if reason:
-                return f"{key}: {reason}"
-    return None
 
 
 def _check_schedule(spec: Any, app: Any) -> Tuple[Optional[ClusterSchedule], Optional[str]]:
@@ -97,11 +75,15 @@ def _maybe(kind: Any, value: Any) -> Any:
     return None if value is None else kind(value)
 
 
-def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule entry"
-                ) -> Tuple[Optional[Entry], List[str]]:
+def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule entry", check_options: bool = True,
+                printable_only: bool = True) -> Tuple[Optional[Entry], List[str]]:
     """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems.
 
-    *label* names where the entry comes from in each problem (stored schedules say so)."""
+    *label* names where the entry comes from in each problem (stored schedules say so).
+    *check_options* False: the caller checked the options already (a stored schedule's pass the
+    stricter allow-list of config/options.py first). *printable_only* False: a stored row read back,
+    whose name, task and description were valid when written: only what the claim database cannot
+    hold is refused (see :func:`~.values.text_problem`); True for text entering (``beat_schedule``)."""
     problems: List[str] = []
 
     def bad(field_name: str, reason: str) -> None:
@@ -109,7 +91,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
 
     if not isinstance(name, str) or not name:
         return None, [f"{label} {shown(name)}: name: expected a non-empty string"]
-    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string")
+    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string", printable_only=printable_only)
     if reason:  # the claim table's key: what it cannot hold exactly must not reach it
         bad("name", reason)
     if not isinstance(spec, (dict, Mapping)):  # a dict first: the ABC check is the slow one
@@ -124,7 +106,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
         else:
             bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")
     task = spec.get("task")
-    reason = text_problem(task, limit=MAX_NAME_LENGTH, what="a task name")
+    reason = text_problem(task, limit=MAX_NAME_LENGTH, what="a task name", printable_only=printable_only)
     if reason:
         bad("task", reason)
     schedule = None
@@ -143,9 +125,8 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
     elif not all(isinstance(k, str) for k in kwargs):
         bad("kwargs", "keyword names must be strings")
     options = spec.get("options") or {}
-    reason = _check_options(options) if options else None
-    if reason:
-        bad("options", reason)
+    for field_name, reason in option_problems(options) if options and check_options else ():
+        bad(field_name, reason)
     enabled, description = True, ""
     if ours:
         for key, kind in (("overlap", OverlapPolicy), ("catchup", CatchupPolicy)):
@@ -162,7 +143,15 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
         if not isinstance(enabled, bool):
             bad("enabled", f"expected True or False, got {shown(enabled)}")
         description = spec.get("description") or ""
-        reason = text_problem(description, limit=MAX_TEXT_BYTES, what="a string", free=True)
+        if not printable_only and isinstance(description, str) and len(description.encode("utf-8",
+                                                                                         "replace")) > MAX_TEXT_BYTES:
+            # Read back, a description written past the API costs its schedule nothing: it is only
+            # shown, so it is cut to what the API would have taken, never refused.
+            description = description.encode("utf-8", "replace")[:MAX_TEXT_BYTES - 8].decode("utf-8", "ignore") + "…"
+        if printable_only:
+            reason = description_problem(description) if description else None
+        else:
+            reason = text_problem(description, limit=MAX_TEXT_BYTES, what="a string", free=True)
         if reason:
             bad("description", reason)
     if problems:

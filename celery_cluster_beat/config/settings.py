@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, fields
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, FrozenSet, List, Optional
 
 from ..base import MAX_NODE_ID_LENGTH
 from ..errors import ConfigError
@@ -18,6 +18,8 @@ from ..schedules.celery_types import local_zone
 from ..schedules.errors import ScheduleError
 from ..schedules.tzwall import get_zone
 from .celeryconf import RedisOptions, default_redis_url, redis_options
+from .options import SETTING as STORED_OPTIONS_SETTING
+from .options import allowed_stored_options
 from .values import (MAX_CATCHUP, CatchupPolicy, OverlapPolicy, choice_problem, count_problem, seconds_problem,
                      shown, text_problem)
 
@@ -30,6 +32,8 @@ DERIVED_DB_SUFFIX = "-cluster.sqlite3"
 
 #: Longest cluster name: it is part of Redis key names.
 MAX_CLUSTER_NAME_LENGTH = 200
+#: Most stored schedules with metrics series of their own: each costs about 2 KB of every scrape.
+MAX_METRICS_STORED = 10_000
 
 
 @dataclass(frozen=True)
@@ -60,12 +64,16 @@ class Settings:
     http_host: str = "127.0.0.1"
     #: Whether metrics carry a ``schedule`` label (off for large schedule sets).
     metrics_per_schedule: bool = True
+    #: At most this many schedules besides the config's entries have metrics series of their own (0: none).
+    metrics_stored_max: int = 500
     #: Whether the HTTP server shows the status page and /metrics (False: /healthz alone).
     http_page: bool = True
     #: Bearer token the page and /metrics require (None: none); never printed.
     http_token: Optional[str] = None
     #: Seconds any one claim-database call may take, connecting included (beat, worker ledger, API, CLI).
     db_timeout: float = 15.0
+    #: Options a stored schedule may set beyond the default allow-list (config/options.py).
+    stored_options_allowed: FrozenSet[str] = frozenset()
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
@@ -215,6 +223,11 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
     per_schedule = True if per_schedule is None else per_schedule
     if not isinstance(per_schedule, bool):
         problems.append(f"setting cluster_beat_metrics_per_schedule: expected True or False, got {shown(per_schedule)}")
+    stored_max = get("cluster_beat_metrics_stored_max")
+    stored_max = 500 if stored_max is None else stored_max
+    if isinstance(stored_max, bool) or not isinstance(stored_max, int) or not 0 <= stored_max <= MAX_METRICS_STORED:
+        problems.append(f"setting cluster_beat_metrics_stored_max: expected a whole number from 0 (none) to "
+                        f"{MAX_METRICS_STORED}, got {shown(stored_max)}")
     http_page = get("cluster_beat_http_page")
     http_page = True if http_page is None else http_page
     if not isinstance(http_page, bool):
@@ -225,6 +238,11 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
                                    or not http_token.isascii() or not http_token.isprintable() or " " in http_token):
         problems.append("setting cluster_beat_http_token: expected a string of at least 16 printable ASCII "
                         "characters without spaces, or None (no token)")  # the value itself is never shown
+    try:
+        stored_options_allowed = allowed_stored_options(get(STORED_OPTIONS_SETTING))
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        stored_options_allowed = frozenset()
     zone = get("timezone")  # entries without a zone of their own follow it: check it before anything opens
     if isinstance(zone, str) and zone:
         try:
@@ -259,9 +277,11 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         http_port=http_port,
         http_host=http_host,
         metrics_per_schedule=per_schedule,
+        metrics_stored_max=stored_max,
         http_page=http_page,
         http_token=http_token,
         db_timeout=db_timeout,
+        stored_options_allowed=stored_options_allowed,
     )
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Optional, Type, TypeVar
+import unicodedata
+from typing import Any, Optional, Tuple, Type, TypeVar
 
 from ..base import StrEnum
 
@@ -45,6 +46,72 @@ MAX_TEXT_BYTES = 65535
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 #: What free text (a description) may not hold: NUL and lone surrogates.
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+#: Unicode categories that names and new descriptions may not hold and that operators' output
+#: escapes: control characters (C0, DEL, C1), format characters (bidi overrides such as U+202E,
+#: zero-width joiners, the BOM), lone surrogates, line and paragraph separators. In a terminal they
+#: clear the screen, recolour it, reorder what follows or start a fake row; in a log line they lie.
+_UNPRINTABLE = {"Cc": "a control character", "Cf": "a format character", "Cs": "a lone surrogate",
+                "Zl": "a line separator", "Zp": "a paragraph separator"}
+_SHORT_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+#: What a new description may hold besides printable text: it may run over lines, with tabs.
+DESCRIPTION_KEEPS = "\n\t"
+#: Bidi embeddings, overrides and isolates: they reorder what follows them on the operator's screen.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def description_problem(text: str) -> Optional[str]:
+    """Why *text* cannot be a new description; None when it can. Free text as people write it
+    (lines, tabs, CRLF, emoji sequences, soft hyphens, direction marks) is accepted; refused are
+    the control characters a terminal acts on and the bidi controls that reorder what an operator
+    reads, and more than the claim database keeps. Everything shown is escaped anyway."""
+    reason = text_problem(text, limit=MAX_TEXT_BYTES, what="a string", free=True)
+    if reason:
+        return reason
+    for i, ch in enumerate(text):
+        if (unicodedata.category(ch) == "Cc" and ch not in "\t\n\r") or ch in _BIDI_CONTROLS:
+            kind = "a bidi control" if ch in _BIDI_CONTROLS else "a control character"
+            return f"contains {kind} ({ch!r} at {i}), which would change what operators read"
+    return None
+
+
+def _first_unprintable(text: str, keep: str = "") -> Optional[Tuple[int, str]]:
+    """(offset, character) of *text*'s first character of :data:`_UNPRINTABLE`'s categories not in *keep*."""
+    if text.isprintable():  # in C: the common case costs next to nothing
+        return None
+    for i, ch in enumerate(text):  # spaces other than " " are not printable to Python, but are kept
+        if ch not in keep and unicodedata.category(ch) in _UNPRINTABLE:
+            return i, ch
+    return None
+
+
+def _escape(ch: str) -> str:
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """*text* as operators see it: each control or format character, lone surrogate and line or
+    paragraph separator written as an escape (``\\x1b``, ``\\n``, ``\\u202e``), the rest as is.
+
+    Every command-line output of stored text goes through this: a row written past the API
+    (or by an older release) cannot clear the terminal, recolour it or draw a fake row."""
+    if text.isprintable():
+        return text
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNPRINTABLE else ch for ch in text)
+
+
+def printable_problem(text: str, *, keep: str = "") -> Optional[str]:
+    """Why *text* is not printable text (see :data:`_UNPRINTABLE`), the characters of *keep* aside
+    (a description's :data:`DESCRIPTION_KEEPS`); None when it is."""
+    found = _first_unprintable(text, keep)
+    if found is None:
+        return None
+    at, ch = found
+    return f"contains {_UNPRINTABLE[unicodedata.category(ch)]} ('{_escape(ch)}' at {at}): printable text only"
 
 
 def shown(value: Any, limit: int = 80) -> str:
@@ -78,9 +145,15 @@ def count_problem(value: Any, *, limit: int) -> Optional[str]:
     return None
 
 
-def text_problem(value: Any, *, limit: int, what: str = "a string", free: bool = False) -> Optional[str]:
+def text_problem(value: Any, *, limit: int, what: str = "a string", free: bool = False,
+                 printable_only: bool = True) -> Optional[str]:
     """Why *value* cannot be stored as a name (or, *free*, as free text) of at most *limit*
-    characters; None when it can. Names hold no control character; free text holds no NUL."""
+    characters; None when it can. Names hold no control character, and with *printable_only* (where a
+    name enters: the API, ``beat_schedule``, settings) printable text only (:func:`printable_problem`);
+    a name read back from the claim database passes ``printable_only=False``: one stored before the rule
+    stays readable (and removable), shown escaped. Free text holds no NUL (a new description is also
+    checked with :func:`printable_problem` where it enters, as above, keeping
+    :data:`DESCRIPTION_KEEPS`; one stored before is shown escaped, never refused)."""
     if not isinstance(value, str):
         return f"expected {what}, got {shown(value)}"
     if not value and not free:
@@ -91,6 +164,10 @@ def text_problem(value: Any, *, limit: int, what: str = "a string", free: bool =
     if bad is not None:
         kind = "a lone surrogate" if "\ud800" <= bad.group() <= "\udfff" else "a control character"
         return f"contains {kind} ({bad.group()!r} at {bad.start()}), which the claim database cannot store as is"
+    if printable_only and not free:
+        reason = printable_problem(value)
+        if reason:
+            return reason
     if free and len(value.encode("utf-8")) > MAX_TEXT_BYTES:
         return f"longer than {MAX_TEXT_BYTES} bytes in UTF-8"
     return None

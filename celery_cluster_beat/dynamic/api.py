@@ -21,8 +21,16 @@ other schedules.
 Rules a change follows:
 
 * Validation is that of ``beat_schedule`` entries (same fields, same messages),
-  plus: arguments, keyword arguments and options must be JSON, and a name must
-  not be one of the Celery config's ``beat_schedule`` entries.
+  plus: arguments, keyword arguments and options must be JSON (at most 65,535
+  bytes, 32 levels deep), options must pass the allow-list of
+  :mod:`..config.options` (nothing that changes which task runs, its id or its
+  serializer, unless ``cluster_beat_stored_options_allowed`` names it), and a name
+  must not be one of the Celery config's ``beat_schedule`` entries. New text (a name,
+  task, owner or description) must be printable; a description may run over lines.
+* An update checks only the fields it is given: the others keep their stored values as
+  they are, so a row stored by an older release (or past the API) with a value now
+  refused can still be disabled, enabled, changed or removed; beat records its
+  occurrences ``failed`` with the reason until the value is replaced.
 * A changed schedule's next occurrence is computed from the change's time (the
   database's clock), not from its previous occurrence.
 * A disabled schedule records nothing while disabled; enabling it again starts
@@ -42,14 +50,14 @@ from ..config.celeryconf import default_entries
 from ..config.observing import configuration_problems
 from ..base import MAX_NAME_LENGTH
 from ..config.settings import Settings, load_settings
-from ..config.values import MAX_TEXT_BYTES, shown, text_problem
+from ..config.values import MAX_TEXT_BYTES, description_problem, shown, text_problem
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
 from ..schedules.celery_types import app_zone, as_schedule
 from ..schedules.tzwall import get_zone, zone_name
 from ..schedules.text import parse_schedule_text, schedule_text
 from ..store import ClaimStore
 from ..store.stored import DEFINITION, StoredRow
-from .convert import LABEL, POLICY_KEYS, entry_from_row, round_trips, to_json
+from .convert import LABEL, POLICY_KEYS, entry_from_row, json_depth_problem, round_trips, to_json
 
 #: What :meth:`StoredSchedules.update` may change.
 FIELDS = ("task", "schedule", "args", "kwargs", "options", *POLICY_KEYS, "owner", "enabled")
@@ -59,9 +67,11 @@ UPDATE_FIELDS = (*FIELDS, "tz")
 MAX_ZONE_LENGTH = 64
 
 
-def _name_problem(name: Any) -> Optional[str]:
-    """Why *name* cannot be a stored schedule's name (it keys the claim table); None when it can."""
-    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string")
+def _name_problem(name: Any, *, new: bool = False) -> Optional[str]:
+    """Why *name* cannot be a stored schedule's name (it keys the claim table); None when it can.
+    A *new* one (add) must be printable text; one looked up (get, update, remove) need only be
+    storable: a name stored before the printable rule stays reachable, to change or remove it."""
+    reason = text_problem(name, limit=MAX_NAME_LENGTH, what="a non-empty string", printable_only=new)
     return f"{LABEL} {shown(name, 300)}: name: {reason}" if reason else None
 
 
@@ -179,9 +189,15 @@ class StoredSchedules:
             return None
         return as_schedule(parse_schedule_text(row["schedule"], row["zone"]), app=self.app).next_fire(now)
 
-    def _definition(self, name: str, values: Mapping[str, Any]) -> Dict[str, Any]:
-        """A row's definition columns from API values, validated like a beat_schedule entry."""
-        problem = _name_problem(name)
+    def _definition(self, name: str, values: Mapping[str, Any], old: Optional[StoredRow] = None) -> Dict[str, Any]:
+        """A row's definition columns from API values, validated like a beat_schedule entry.
+
+        *old*: the row an update changes. A field *values* lacks keeps the row's stored value as it
+        is, not checked again: a row a release accepted, or one written past the API, can still be
+        disabled, enabled or given another field; what beat may not send of it, beat refuses when it
+        sends (:attr:`~..config.Entry.refused`). New text (name, task, owner, description) must be
+        printable (a description may run over lines)."""
+        problem = _name_problem(name, new=old is None)
         if problem:
             raise ConfigError(problem)
         if name in self._static_names():
@@ -190,63 +206,76 @@ class StoredSchedules:
         unknown = sorted(set(values) - set(FIELDS))
         if unknown:
             raise ConfigError(f"{LABEL} {name!r}: {unknown[0]}: unknown field (known: {', '.join(FIELDS)})")
+        given = set(FIELDS) if old is None else set(values)
         row: Dict[str, Any] = {"name": name}
-        row["schedule"], row["zone"] = _schedule_text(name, values["schedule"])
-        if row["zone"] is not None and len(row["zone"]) > MAX_ZONE_LENGTH:
-            raise ConfigError(f"{LABEL} {name!r}: schedule: zone name longer than {MAX_ZONE_LENGTH} characters")
-        if row["zone"] is None and (not row["schedule"].startswith("every") or " from " in row["schedule"]):
-            # A wall-clock rule without a zone of its own is stored in the app's zone, so the leader
-            # reads it in the zone it was written for, whatever its own timezone setting says.
-            row["zone"] = zone_name(app_zone(self.app))
+        for key in DEFINITION:  # what an update does not give stays as stored
+            if old is not None and key not in given and key != "name":
+                row[key] = getattr(old, key)
+        if "schedule" in given:
+            row["schedule"], row["zone"] = _schedule_text(name, values["schedule"])
+            if row["zone"] is not None and len(row["zone"]) > MAX_ZONE_LENGTH:
+                raise ConfigError(f"{LABEL} {name!r}: schedule: zone name longer than {MAX_ZONE_LENGTH} characters")
+            if row["zone"] is None and (not row["schedule"].startswith("every") or " from " in row["schedule"]):
+                # A wall-clock rule without a zone of its own is stored in the app's zone, so the leader
+                # reads it in the zone it was written for, whatever its own timezone setting says.
+                row["zone"] = zone_name(app_zone(self.app))
         for key, empty in (("args", []), ("kwargs", {}), ("options", {})):
+            if key not in given:
+                continue
             value = values.get(key)
             value = empty if value is None else value
             if key == "args" and not isinstance(value, (list, tuple)):
                 raise ConfigError(f"{LABEL} {name!r}: args: expected a list or tuple, got {type(value).__name__}")
             if key != "args" and not isinstance(value, Mapping):
                 raise ConfigError(f"{LABEL} {name!r}: {key}: expected a dict, got {type(value).__name__}")
+            reason = json_depth_problem(value)  # before json: it raises RecursionError past ~1,000 levels
+            if reason:
+                raise ConfigError(f"{LABEL} {name!r}: {key}: {reason}")
             text = to_json(name, key, value)
             round_trips(name, key, value, text)
             if len(text) > MAX_TEXT_BYTES:  # JSON here is ASCII: characters are bytes
                 raise ConfigError(f"{LABEL} {name!r}: {key}: {len(text)} bytes as JSON, more than the "
                                   f"{MAX_TEXT_BYTES} the claim database keeps")
             row[key] = text
-        row["task"] = values.get("task")
+        if "task" in given:
+            row["task"] = values.get("task")
+            reason = text_problem(row["task"], limit=MAX_NAME_LENGTH, what="a task name")
+            if reason and isinstance(row["task"], str):  # (not a string: build_entry says so, as for an entry)
+                raise ConfigError(f"{LABEL} {name!r}: task: {reason}")
         for key in POLICY_KEYS:
-            value = values.get(key)
-            row[key] = getattr(value, "value", value)  # an enum member is stored as its text
-        description = row["description"]
-        if description is not None and not isinstance(description, str):  # not "" for a 0 or a False
-            raise ConfigError(f"{LABEL} {name!r}: description: expected a string, got {shown(description)}")
-        row["description"] = description or None
-        owner = values.get("owner")
-        reason = None if owner is None else text_problem(owner, limit=MAX_NAME_LENGTH, what="a string")
-        if reason:
-            raise ConfigError(f"{LABEL} {name!r}: owner: expected a string of at most {MAX_NAME_LENGTH} "
-                              f"characters: {reason}")
-        row["owner"] = owner
-        row["enabled"] = values.get("enabled", True)
+            if key in given:
+                value = values.get(key)
+                row[key] = getattr(value, "value", value)  # an enum member is stored as its text
+        if "description" in given:
+            description = row["description"]
+            if description is not None and not isinstance(description, str):  # not "" for a 0 or a False
+                raise ConfigError(f"{LABEL} {name!r}: description: expected a string, got {shown(description)}")
+            reason = description_problem(description) if description else None
+            if reason:
+                raise ConfigError(f"{LABEL} {name!r}: description: {reason}")
+            row["description"] = description or None
+        if "owner" in given:
+            owner = values.get("owner")
+            reason = None if owner is None else text_problem(owner, limit=MAX_NAME_LENGTH, what="a string")
+            if reason:
+                raise ConfigError(f"{LABEL} {name!r}: owner: expected a string of at most {MAX_NAME_LENGTH} "
+                                  f"characters: {reason}")
+            row["owner"] = owner
+        if "enabled" in given:
+            row["enabled"] = values.get("enabled", True)
         # The exact checks (and messages) of a beat_schedule entry, on what would be stored.
         entry = entry_from_row(StoredRow(**{k: row[k] for k in DEFINITION}, deleted=False, version=0,
                                          created_at=None, changed_at=None, next_at=None),  # type: ignore[arg-type]
-                               app=self.app)
-        if entry.refused:  # read back from a row, such a value is left to the setting; here it is refused
-            raise ConfigError(entry.refused)
+                               app=self.app, allowed=self.settings.stored_options_allowed)
+        refused = [reason for column, reason in entry.refusals if column in given]
+        if refused:  # read back from a row, such a value is left to the setting; here it is refused
+            raise ConfigError("; ".join(refused))
         problems = configuration_problems(self.app, self.settings, [entry], label=LABEL)
         if problems:  # an explicit guard on runs nothing can observe would block it silently
             raise ConfigError(problems)
-        self._open().check_names([name])
+        if old is None:
+            self._open().check_names([name])
         return row
-
-    @staticmethod
-    def _values(row: StoredRow) -> Dict[str, Any]:
-        """API values of an existing row (for a partial update)."""
-        s = StoredSchedule.from_row(row)
-        from ..schedules.text import parse_schedule_text as parse
-
-        values = {k: getattr(s, k) for k in FIELDS if k != "schedule"}
-        values["schedule"] = parse(row.schedule, row.zone)
-        return values
 
     def _change(self, names: Sequence[str], change: Any) -> int:
         version = self._open().stored_change(names, change, self._next_fire)
@@ -324,17 +353,17 @@ class StoredSchedules:
         def change(live: Dict[str, StoredRow], now: datetime) -> Tuple[List[Dict[str, Any]], List[str]]:
             if name not in live:
                 raise UnknownSchedule(name)
-            values = self._values(live[name])
+            old = live[name]
             new = dict(given)
             if "schedule" in new or zone_given:
-                text, zone = _schedule_text(name, new.get("schedule", values["schedule"]))
+                rule = new["schedule"] if "schedule" in new else parse_schedule_text(old.schedule, old.zone)
+                text, zone = _schedule_text(name, rule)
                 if zone_given:
                     zone = tz
                 elif zone is None:  # a rule without a zone of its own keeps the schedule's zone
-                    zone = live[name].zone
+                    zone = old.zone
                 new["schedule"] = parse_schedule_text(text, zone)
-            values.update(new)
-            return [self._definition(name, values)], []
+            return [self._definition(name, new, old)], []
 
         self._change([name], change)
         return self._read(name)

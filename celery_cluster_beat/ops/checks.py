@@ -3,6 +3,10 @@ Redis, every entry's message (built, never published) and the broker.
 
 Kept apart from the command line (:mod:`.cli`) so that the command declarations stay cheap
 to import (Celery imports them in every ``celery`` process) and each check reads as a list.
+
+A claim database no beat has prepared yet passes (``reachable, not initialised yet``): a deploy
+runs ``check`` before its first beat starts, and that beat creates the tables. ``check`` itself,
+like every operators' command, never creates them.
 """
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ from typing import Any, Callable, List, Tuple
 
 from ..errors import ConfigError
 from ..leader.urls import mask_url
+from ..store.errors import OlderSchema, StoreNotInitialised
 from . import report
 
 #: Seconds ``check`` waits for the broker.
 BROKER_TIMEOUT = 5.0
+#: What ``check`` says of a claim database no beat has prepared yet (no problem: see the docstring).
+NOT_INITIALISED_NOTE = "not initialised yet: the first beat creates the tables"
 
 
 def run_checks(app: Any, problem_lines: Callable[[BaseException], List[str]]) -> List[Tuple[str, bool, str]]:
@@ -63,6 +70,11 @@ def run_checks(app: Any, problem_lines: Callable[[BaseException], List[str]]) ->
                 stored = store.stored_list(limit=MAX_STORED_CHECKED + 1)
             finally:
                 store.close()
+        except StoreNotInitialised:
+            out.append(("claim store", True, f"{mask_url(settings.db_url)} reachable, {NOT_INITIALISED_NOTE}"))
+        except OlderSchema as exc:  # a deploy checks before its beats migrate: not a problem of the deploy
+            out.append(("claim store", True, f"{mask_url(settings.db_url)} reachable, schema {exc.found}: the "
+                        f"first beat of this release migrates it to {exc.current}"))
         except Exception as exc:
             problems("claim store", exc)
         if settings.redis is not None:

@@ -8,6 +8,21 @@ leader applies them within a second, and they survive restarts and failovers.
 
 Bad input (an unknown schedule, a bad duration, an unreachable database) is one
 line on stderr and exit code 1, never a traceback.
+
+Reads (``status``, ``list``, ``history``, ``check``) open the claim store read-only: they work
+with a SELECT-only database role and never create, migrate or write anything. No command creates
+or migrates the schema, actions (``pause``, ``resume``, ``run-now``, ``prune``) included: they
+write rows only into tables a beat prepared, so a mistyped or empty database is not given tables
+and a cluster id of its own while the command reports success. On a database no beat has
+prepared yet every command but ``check`` prints one line (``not initialised yet: ...``) on stderr
+and exits with :data:`NOT_INITIALISED` (3); ``check`` reports the store as reachable and not
+initialised yet, which is no problem (a deploy runs ``check`` before the first beat starts). An
+older schema is named, not migrated (exit 1): beat migrates it.
+
+Stored text (names, tasks, descriptions, owners, node and host names, reasons and errors) is
+printed through :func:`~celery_cluster_beat.config.values.printable`: control and format
+characters come out as escapes (``\\x1b``, ``\\n``, ``\\u202e``), so a row written past the API
+cannot clear the operator's screen or draw a fake row. ``--json`` output is escaped by JSON itself.
 """
 from __future__ import annotations
 
@@ -17,6 +32,7 @@ import importlib
 import json
 import re
 import socket
+import sys
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
@@ -51,7 +67,9 @@ if TYPE_CHECKING:
 else:
     report = _ImportOnUse(f"{__package__}.report")
 
-#: Seconds the broker check waits for a connection.
+#: Exit code of every command but ``check`` on a claim database no beat has prepared yet (nothing to
+#: read or act on: not an error of the command, nor a success a script should read on).
+NOT_INITIALISED = 3
 
 _UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
@@ -103,12 +121,27 @@ def _is_ours(exc: BaseException) -> bool:
 
 def _fail(lines: Iterable[str]) -> None:
     for line in lines:
-        click.echo(f"error: {line}", err=True)
+        click.echo(f"error: {for_terminal(line)}", err=True)
     raise click.exceptions.Exit(1)
 
 
+def for_terminal(value: Any) -> str:
+    """*value* as the terminal gets it: stored text with its control and format characters
+    escaped (:func:`~celery_cluster_beat.config.values.printable`); None as ``-``."""
+    from ..config.values import printable  # not at import: Celery imports this module in every process
+
+    return "-" if value is None else printable(str(value))
+
+
+def _not_initialised(exc: BaseException) -> bool:
+    from ..store.errors import StoreNotInitialised  # loaded already when the store raised it
+
+    return isinstance(exc, StoreNotInitialised)
+
+
 def boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """Every error becomes one line per problem on stderr and exit code 1, never a traceback."""
+    """Every error becomes one line per problem on stderr and exit code 1, never a traceback
+    (a claim database not initialised yet: its one line and :data:`NOT_INITIALISED`)."""
 
     @functools.wraps(fun)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -119,6 +152,10 @@ def boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             _fail(["interrupted"])
         except Exception as exc:
+            if "celery_cluster_beat.store.errors" in sys.modules and _not_initialised(exc):
+                for line in _problems(exc):
+                    click.echo(for_terminal(line), err=True)
+                raise click.exceptions.Exit(NOT_INITIALISED)
             _fail(_problems(exc))
 
     return wrapper
@@ -142,8 +179,8 @@ def _secs(seconds: Optional[float], signed: bool = False) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """Plain text columns, left-aligned, two spaces apart."""
-    body = [["-" if v is None else str(v) for v in row] for row in rows]
+    """Plain text columns, left-aligned, two spaces apart; each cell :func:`for_terminal`."""
+    body = [[for_terminal(v) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in body]
@@ -227,7 +264,7 @@ def render_status(st: report.ClusterStatus) -> str:
         ("late or unsent", late),
     ]
     width = max(len(k) for k, _ in summary)
-    out = [f"{k.ljust(width)}  {v}" for k, v in summary]
+    out = [f"{k.ljust(width)}  {for_terminal(v)}" for k, v in summary]
     out.append("")
     if st.nodes:
         out.append(table(["NODE", "STATE", "SCHEDULING", "STARTED (UTC)", "HEARTBEAT", "CLOCK OFFSET"],
@@ -321,9 +358,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
     else:
         for name, ok, detail in results:
             if ok:
-                click.echo(f"ok       {name}: {detail}")
+                click.echo(f"ok       {name}: {for_terminal(detail)}")
             else:
-                click.echo(f"problem  {name}: {detail}", err=True)
+                click.echo(f"problem  {name}: {for_terminal(detail)}", err=True)
     if failed:
         raise click.exceptions.Exit(1)
 
@@ -337,7 +374,7 @@ def _act(app: Any, name: str, action: Callable[[Any], Any], *, paused_ok: bool =
     *paused_ok*: a name no schedule has any more may still be acted on while it is paused
     (resuming a config entry removed while paused, so that re-adding it does not find it paused)."""
     settings = report.load_settings_of(app)
-    store = report.open_store(app, settings)
+    store = report.open_store(app, settings, write=True)
     try:
         try:
             source = report.schedule_source(app, name, store)
@@ -426,7 +463,7 @@ def prune(ctx: click.Context, older_than: Optional[str], as_json: bool) -> None:
     settings = report.load_settings_of(app)
     if seconds is None:
         seconds = settings.claim_retention
-    store = report.open_store(app, settings)
+    store = report.open_store(app, settings, write=True)
     try:
         cutoff = store.db_now() - timedelta(seconds=seconds)
         deleted = store.prune(cutoff)

@@ -7,12 +7,21 @@ free port, which beat logs). It runs on threads of its own with fixed bounds
 read, idle and write deadlines), so a request never waits for the scheduling loop
 and no client, however many or slow, can take the loop's process from it.
 
-* ``/metrics``: the Prometheus text format of this beat's own registry (:mod:`.metrics`).
+* ``/metrics``: the Prometheus text format of this beat's own registry (:mod:`.metrics`,
+  bounded whatever the schedule count), built at most once a second: scrapers in between share it.
 * ``/healthz``: 200 while the loop ticked within the sleep it asked for plus a margin,
   503 otherwise (for a Kubernetes liveness probe): a loop stuck in a call, or never
   coming back from one, stops ticking while this thread still answers. Answered on
   the selector thread itself: never queued behind a page being built.
-* ``/``: an HTML page with what ``celery ... cluster-beat status`` and ``list`` show.
+* ``/``: an HTML page (:mod:`.pagehtml`) with what ``celery ... cluster-beat status`` shows and
+  the first schedules by relevance (:mod:`.schedulepage`: ``?limit=`` up to 500, ``?q=`` a part
+  of the name), built at most once every 2 s however many clients ask (they share the build).
+  One view is built at a time: a request for another view that has no recent copy and cannot be
+  built now is answered ``503`` with ``Retry-After`` at once (it never holds one of the pool's
+  threads waiting), and the default view (no filter, the default limit) is never pushed out of the
+  cache. When both the default view and others are asked for, the build slot alternates between
+  them: clients cycling through filters cannot starve the default view, nor can a dashboard
+  reloading the default view starve someone's filter.
   Read-only: GET and HEAD only, no forms, no scripts, every value escaped, a strict
   Content-Security-Policy. The URLs on it are masked where they are read (no
   passwords); names and descriptions are shown as they are, escaped.
@@ -24,16 +33,19 @@ answer 404); ``cluster_beat_http_token`` makes the page and ``/metrics`` require
 from __future__ import annotations
 
 import hmac
-import html
 import logging
+import math
 import threading
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from collections import OrderedDict
+from datetime import datetime
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from urllib.parse import parse_qs
 
 from ..errors import ConfigError
 from ..leader.urls import mask_url
 from .httpserver import BoundedHTTPServer, Limits, Request, Response
+from .pagehtml import PAGE_REFRESH, render_error, render_page  # noqa: F401  (importable from here as before)
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -41,10 +53,18 @@ __all__ = ["LoopHealth", "OpsServer", "BeatOps", "start_beat_server", "render_pa
 
 #: /healthz tolerates this much beyond the sleep the loop asked for, at least (seconds).
 MIN_HEALTH_MARGIN = 5.0
-#: The status page is rebuilt at most this often (seconds): it reads the database and Redis.
-PAGE_CACHE = 1.0
-#: The status page reloads itself this often (seconds).
-PAGE_REFRESH = 5
+#: The status page is rebuilt at most this often (seconds), whatever clients ask: it reads the
+#: database and Redis on a thread of beat's process, so clients share one build per period.
+PAGE_CACHE = 2.0
+#: A page younger than this is served while the next build must wait.
+PAGE_STALE = 30.0
+#: Longest a request for the default view waits for its build (then 503, ``Retry-After``): a build
+#: that hangs (a database call in the black hole until its bound) must not hold the pool's threads.
+PAGE_WAIT = 20.0
+#: Pages of this many filters and limits are kept (the default view's always among them).
+PAGE_KEYS = 8
+#: ``/metrics`` is built at most this often (seconds); scrapers in between share the last one.
+METRICS_CACHE = 1.0
 
 
 class LoopHealth:
@@ -95,9 +115,28 @@ _TEXT = "text/plain; charset=utf-8"
 PAGE_PATHS = ("/", "/index.html")
 
 
+#: The page's view when the URL asks for nothing: (limit, filter).
+DEFAULT_VIEW: Tuple[int, Optional[str]] = (100, None)
+
+
+def page_view(query: str) -> Tuple[int, Optional[str]]:
+    """(limit, filter) from the URL's query string: ``limit`` (capped) and ``q`` (see
+    :func:`.schedulepage.page_params`); other parameters are ignored. ValueError when bad."""
+    if not query:
+        return DEFAULT_VIEW
+    from .schedulepage import page_params
+
+    try:
+        fields = parse_qs(query, keep_blank_values=True, max_num_fields=16)
+    except ValueError:
+        raise ValueError("too many parameters") from None
+    return page_params((fields.get("limit") or [None])[-1], (fields.get("q") or [None])[-1])
+
+
 class OpsServer:
     """The HTTP server; *metrics* (``ClusterBeatMetrics``), *health* (:class:`LoopHealth`) and
-    *page* (returns the status page's HTML) are each optional: a missing one answers 404.
+    *page* (returns the status page's HTML: ``page()`` for the default view, ``page(limit=...,
+    query=...)`` for another) are each optional: a missing one answers 404.
     With *token*, the page and ``/metrics`` need ``Authorization: Bearer <token>``."""
 
     def __init__(self, host: str, port: int, *, metrics: Any = None, health: Optional[LoopHealth] = None,
@@ -108,8 +147,20 @@ class OpsServer:
         self._token = token.encode() if token else None
         self.limits = limits or Limits()
         self._server: Optional[BoundedHTTPServer] = None
-        self._page_lock = threading.Lock()
-        self._page_cache: Tuple[float, bytes, int] = (float("-inf"), b"", 200)
+        self._page_cond = threading.Condition()
+        #: (limit, query) -> (monotonic time built, status, body); the most recently used last.
+        self._page_cache: "OrderedDict[Tuple[int, Optional[str]], Tuple[float, int, bytes]]" = OrderedDict()
+        self._page_building = False
+        self._page_next = float("-inf")  # monotonic time before which no page build starts
+        #: When a request for the default view last found no fresh copy and could not build one, and
+        #: when a request for another view was last turned away: who the next free slot is for.
+        self._default_wanted = float("-inf")
+        self._other_wanted = float("-inf")
+        self._last_built: Optional[Tuple[int, Optional[str]]] = None
+        self.page_builds = 0
+        self.page_busy = 0  # requests answered 503 "busy" (another view's build holds the slot)
+        self._metrics_lock = threading.Lock()
+        self._metrics_cache: Tuple[float, bytes] = (float("-inf"), b"")
 
     @property
     def url(self) -> str:
@@ -141,8 +192,8 @@ class OpsServer:
         if self._token is not None and self._guarded(path) and not self._authorised(req):
             return self._response(401, b"a bearer token is required\n", _TEXT,
                                   **{"WWW-Authenticate": 'Bearer realm="cluster-beat"'})
-        status, body, ctype = self.route(path)
-        return self._response(status, body, ctype)
+        status, body, ctype, *extra = self.route(path, req.target.partition("?")[2])
+        return self._response(status, body, ctype, **(extra[0] if extra else {}))
 
     def _guarded(self, path: str) -> bool:
         """Whether *path* is served and needs the token (what is not served is a 404 for anyone)."""
@@ -157,130 +208,132 @@ class OpsServer:
     def _response(status: int, body: bytes, ctype: str, **extra: str) -> Response:
         return Response(status, body, ctype, headers={**_SECURITY_HEADERS, **extra})
 
-    def route(self, path: str) -> Tuple[int, bytes, str]:
+    def route(self, path: str, query: str = "") -> Tuple[Any, ...]:
+        """(status, body, content type[, extra headers]) of a GET of *path* with *query*."""
         if path == "/metrics" and self.metrics is not None:
             from .metrics import CONTENT_TYPE
 
-            return 200, self.metrics.exposition(), CONTENT_TYPE
+            return 200, self._exposition(), CONTENT_TYPE
         if path == "/healthz" and self.health is not None:
             ok, text = self.health.check()
             return (200 if ok else 503), (text + "\n").encode(), _TEXT
         if path in PAGE_PATHS and self.page is not None:
-            status, body = self._page()
-            return status, body, "text/html; charset=utf-8"
+            try:
+                view = page_view(query)
+            except ValueError as exc:
+                return 400, f"bad query: {exc}\n".encode(), _TEXT
+            return self._page(view)
         served = [p for p, on in (("/metrics", self.metrics), ("/healthz", self.health), ("/", self.page))
                   if on is not None]
         return 404, f"not found: {', '.join(served) or 'nothing is served'}\n".encode(), _TEXT
 
-    def _page(self) -> Tuple[int, bytes]:
-        with self._page_lock:  # one build at a time; concurrent loads share it
-            built, body, status = self._page_cache
-            if time.monotonic() - built < PAGE_CACHE:
-                return status, body
-            try:
-                body, status = self.page().encode(), 200
+    def _exposition(self) -> bytes:
+        with self._metrics_lock:  # one build at a time; scrapers meanwhile wait for it and share it
+            built, body = self._metrics_cache
+            if time.monotonic() - built >= METRICS_CACHE:
+                body = self.metrics.exposition()
+                self._metrics_cache = (time.monotonic(), body)
+            return body
+
+    def _page(self, view: Tuple[int, Optional[str]]) -> Tuple[Any, ...]:
+        """The page of *view* (limit, filter), as :meth:`route` answers it.
+
+        A fresh one from the cache; else one build at a time and at most one every :data:`PAGE_CACHE`
+        seconds (at least as long as the last build took, so builds take half of one thread at
+        most). When the slot is not free: the last page of the view if younger than
+        :data:`PAGE_STALE`; else the default view waits for the slot (its requests share one build),
+        and any other view is answered 503 with ``Retry-After`` at once. When the default view and
+        others both want the slot, it alternates between them (:meth:`_turn`), whichever view finds
+        it free."""
+        default = view == DEFAULT_VIEW
+        cond = self._page_cond
+        started = time.monotonic()
+        with cond:
+            while True:
+                now = time.monotonic()
+                cached = self._page_cache.get(view)
+                if cached is not None and now - cached[0] < PAGE_CACHE:
+                    return self._html(cached)
+                if not self._page_building and now >= self._page_next:
+                    build = self._turn(view, now)
+                    if build is not None:
+                        break
+                if default:
+                    self._default_wanted = now
+                else:
+                    self._other_wanted = now
+                if cached is not None and now - cached[0] < PAGE_STALE:
+                    return self._html(cached)
+                if not default:
+                    return self._busy(now)
+                if now - started > PAGE_WAIT:  # a build that hangs holds no pool thread for long
+                    return self._busy(now)
+                cond.wait(timeout=max(0.01, min(self._page_next - now, PAGE_WAIT)) if not self._page_building
+                          else PAGE_WAIT)
+            self._page_building = True
+        built = self._build(build)
+        if build == view:
+            return self._html((0.0, *built))
+        with cond:  # this request's slot went to the default view: its own view's turn comes later
+            now = time.monotonic()
+            cached = self._page_cache.get(view)
+            return self._html(cached) if cached is not None and now - cached[0] < PAGE_STALE else self._busy(now)
+
+    def _turn(self, view: Tuple[int, Optional[str]], now: float) -> Optional[Tuple[int, Optional[str]]]:
+        """Which view a request for *view* that found the slot free builds: its own; or, when the
+        default view's turn has come (it was wanted lately, its copy is not fresh and the last build
+        was another view's), the default view's; None to leave the slot to the other views (the last
+        build was the default view's, one was turned away lately, and the default view's copy is
+        recent enough to serve)."""
+        cached = self._page_cache.get(DEFAULT_VIEW)
+        if view == DEFAULT_VIEW:
+            yields = (self._last_built == DEFAULT_VIEW and now - self._other_wanted < 2 * PAGE_CACHE + 1
+                      and cached is not None and now - cached[0] < PAGE_STALE)
+            return None if yields else view
+        due = (now - self._default_wanted < PAGE_STALE and self._last_built != DEFAULT_VIEW
+               and (cached is None or now - cached[0] >= PAGE_CACHE))
+        return DEFAULT_VIEW if due else view
+
+    @staticmethod
+    def _html(cached: Tuple[float, int, bytes]) -> Tuple[int, bytes, str]:
+        return cached[1], cached[2], "text/html; charset=utf-8"
+
+    def _busy(self, now: float) -> Tuple[int, bytes, str, Dict[str, str]]:
+        """503 for a view that can be neither served nor built now, with when to try again."""
+        self.page_busy += 1
+        wait = max(1, math.ceil(max(self._page_next - now, PAGE_CACHE if self._page_building else 0.0)))
+        return (503, f"busy: the status page builds one view at a time; try again in {wait} s\n".encode(), _TEXT,
+                {"Retry-After": str(wait)})
+
+    def _build(self, view: Tuple[int, Optional[str]]) -> Tuple[int, bytes]:
+        """Build *view*'s page (the slot is this thread's) and cache it; frees the slot."""
+        cond = self._page_cond
+        started = time.monotonic()
+        built: Optional[Tuple[int, bytes]] = None
+        try:
+            try:  # the default view calls page() without arguments: a page that takes none still serves it
+                args = {} if view == DEFAULT_VIEW else {"limit": view[0], "query": view[1]}
+                built = 200, self.page(**args).encode()
             except Exception as exc:
                 logger.warning("cluster-beat http: building the status page failed: %s", mask_url(repr(exc)))
-                body, status = render_error(exc).encode(), 503
-            self._page_cache = (time.monotonic(), body, status)
-            return status, body
-
-
-# ----------------------------------------------------------------------------- the page
-
-_STYLE = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
-table{border-collapse:collapse;margin:.4em 0}
-td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top;font-size:.92em}
-section{overflow-x:auto}th{background:#f2f2f2}.muted{color:#777}.bad{color:#b00}
-"""
-
-
-def _text(value: Any) -> str:
-    """One value as escaped text. Not masked: the URLs on the page are masked where they are read
-    (:mod:`.report`), and masking anything else would mangle names such as ``a:b:c@d``."""
-    if value is None:
-        return '<span class="muted">-</span>'
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, datetime):
-        value = value.isoformat()
-    elif isinstance(value, float):
-        value = f"{value:.3f}".rstrip("0").rstrip(".") if round(value, 3) else "0"
-    return html.escape(str(value))
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, dict):
-        return _kv_table(value)
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, dict) for v in value):
-            return _rows_table(value)
-        return ", ".join(_text(v) for v in value) or '<span class="muted">-</span>'
-    return _text(value)
-
-
-def _kv_table(data: Dict[str, Any]) -> str:
-    rows = "".join(f"<tr><th>{_text(k)}</th><td>{_cell(v)}</td></tr>" for k, v in data.items())
-    return f"<table>{rows}</table>"
-
-
-def _rows_table(rows: Iterable[Dict[str, Any]], cls: str = "") -> str:
-    rows = list(rows)
-    columns: List[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    head = "".join(f"<th>{_text(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(row.get(c))}</td>" for c in columns) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def _section(title: str, data: Any, ident: str) -> str:
-    if isinstance(data, dict):
-        inner = _kv_table({k: v for k, v in data.items() if not (isinstance(v, list) and v and isinstance(v[0], dict))})
-        inner += "".join(f"<h3>{_text(k)}</h3>{_rows_table(v)}" for k, v in data.items()
-                         if isinstance(v, list) and v and isinstance(v[0], dict))
-    elif isinstance(data, (list, tuple)):
-        inner = _rows_table(data) if data else '<p class="muted">none</p>'
-    else:
-        inner = f"<p>{_text(data)}</p>"
-    return f'<section id="{ident}"><h2>{_text(title)}</h2>{inner}</section>'
-
-
-def render_page(*, title: str, node: str, status: Any, schedules: Any, health: Optional[str] = None,
-                refresh: Optional[int] = PAGE_REFRESH) -> str:
-    """The status page: *status* and *schedules* are what ``status`` and ``list`` print
-    (their ``as_dict()``), rendered generically: every key and value is escaped."""
-    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-    meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
-    health_html = f'<p id="health">loop: {_text(health)}</p>' if health else ""
-    return (
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{_text(title)}</title>{meta}<style>{_STYLE}</style></head><body>"
-        f"<h1>{_text(title)}</h1>"
-        f'<p class="muted">served by node <span id="node">{_text(node)}</span> at {_text(now)}; read-only'
-        f"{f', reloads every {int(refresh)} s' if refresh else ''}</p>{health_html}"
-        f"{_section('Cluster status', status, 'status')}"
-        f"{_section('Schedules', schedules, 'schedules')}"
-        "</body></html>"
-    )
-
-
-def render_error(exc: BaseException) -> str:
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>cluster-beat status</title>"
-            f'<meta http-equiv="refresh" content="{PAGE_REFRESH}"></head><body><h1>cluster-beat status</h1>'
-            f'<p class="bad">cannot read the cluster state: {_text(type(exc).__name__)}: {_text(mask_url(exc))}</p>'
-            "</body></html>")
-
-
-def _plain(value: Any) -> Any:
-    as_dict = getattr(value, "as_dict", None)
-    if callable(as_dict):
-        return as_dict()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+                built = 503, render_error(exc).encode()
+        finally:
+            with cond:
+                ended = time.monotonic()
+                self.page_builds += 1
+                self._page_building = False
+                self._page_next = max(started + PAGE_CACHE, ended + (ended - started))
+                self._last_built = view
+                if view == DEFAULT_VIEW:
+                    self._default_wanted = float("-inf")
+                if built is not None:
+                    self._page_cache[view] = (ended, *built)
+                    self._page_cache.move_to_end(view)
+                    while len(self._page_cache) > PAGE_KEYS:  # the least recently built, never the default view
+                        oldest = next(k for k in self._page_cache if k != DEFAULT_VIEW)
+                        del self._page_cache[oldest]
+                cond.notify_all()
+        return built
 
 
 # ----------------------------------------------------------------------------- beat's glue
@@ -297,11 +350,13 @@ class BeatOps:
     def url(self) -> str:
         return self.server.url
 
-    def attach(self, *, lease: Any = None, also_from: Iterable[Any] = ()) -> None:
+    def attach(self, *, lease: Any = None, also_from: Iterable[Any] = (), config: Iterable[str] = ()) -> None:
         """Beat's set-up finished (the store answered): time *lease*'s renewals (or, without a lease,
-        say this node schedules) and count the signals of *also_from* (the overlap guard)."""
+        say this node schedules), count the signals of *also_from* (the overlap guard), and give the
+        config's entries (*config*) series of their own in the metrics."""
         for sender in also_from:
             self.metrics.also_count(sender)
+        self.metrics.set_config(frozenset(config))
         if lease is not None:
             self.metrics.instrument_lease(lease)
         else:
@@ -327,7 +382,8 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
 
     kwargs = {"now": now} if now is not None else {}
     metrics = ClusterBeatMetrics(node=settings.node_id, cluster=settings.cluster_name,
-                                 per_schedule=settings.metrics_per_schedule, sender=sender, **kwargs).connect()
+                                 per_schedule=settings.metrics_per_schedule, stored_max=settings.metrics_stored_max,
+                                 sender=sender, **kwargs).connect()
     if store is not None:
         store.observer = metrics.store_observer
     health = LoopHealth(margin=max(MIN_HEALTH_MARGIN, settings.lock_ttl))
@@ -337,11 +393,14 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
           registry=metrics.registry).set_function(health.age)
 
     source = _ReportSource(app, settings)
+    Gauge("cluster_beat_stored_schedules", "Live stored schedules (read from the claim store at most every 30 s)",
+          registry=metrics.registry).set_function(source.stored_count)
 
-    def page() -> str:
-        status, schedules = source.read()
+    def page(limit: Optional[int] = None, query: Optional[str] = None) -> str:
+        status, view = source.read(limit, query)
+        schedules = view.pop("schedules")
         return render_page(title=f"cluster-beat: {settings.cluster_name}", node=settings.node_id,
-                           status=status, schedules=schedules, health=health.check()[1])
+                           status=status, schedules=schedules, health=health.check()[1], shown=view)
 
     shown = settings.http_page  # False: /healthz alone
     server = OpsServer(settings.http_host, settings.http_port, metrics=metrics if shown else None, health=health,
@@ -361,28 +420,65 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
     return BeatOps(server, health, metrics, store, source)
 
 
+#: The page names at most this many paused schedules (all are counted).
+PAUSED_SHOWN = 20
+#: ``cluster_beat_stored_schedules`` is read from the claim store at most this often (seconds).
+STORED_COUNT_EVERY = 30.0
+
+
 class _ReportSource:
-    """What ``status`` and ``list`` print, read through a store and a Redis client of the page's
-    own (opened on the first request, kept until :meth:`close`): the page's reads never queue
-    behind the scheduler's connections, nor count in its claim-store metrics."""
+    """What ``status`` prints and the first schedules by relevance (:mod:`.schedulepage`), read through
+    a store and a Redis client of the page's own (opened on the first request, kept until
+    :meth:`close`): the page's reads never queue behind the scheduler's connections, nor count in
+    its claim-store metrics. The config's entries are validated once and kept, with their next fires."""
 
     def __init__(self, app: Any, settings: Any) -> None:
         self.app, self.settings = app, settings
         self._store: Any = None
         self._redis: Any = None
         self._lock = threading.Lock()
+        self._entries: Any = None
+        self._fires: Any = None
+        self._stored: Tuple[float, float] = (float("-inf"), float("nan"))  # (monotonic time read, count)
 
-    def read(self) -> Tuple[Any, Any]:
+    def _open(self) -> Any:
         from . import report
 
+        if self._store is None:
+            self._store = report.open_store(self.app, self.settings)
+        return self._store
+
+    def read(self, limit: Optional[int] = None, query: Optional[str] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+        """(the status, the page of schedules) as JSON-safe dicts."""
+        from . import report, schedulepage
+
         with self._lock:
-            if self._store is None:
-                self._store = report.open_store(self.app, self.settings)
+            store = self._open()
             if self._redis is None and self.settings.redis is not None:
                 self._redis = self.settings.redis.client()
-            status = report.cluster_status(self.app, self._store, self._redis, settings=self.settings)
-            schedules = report.schedule_list(self.app, self._store)
-        return _plain(status), _plain(schedules)
+            if self._entries is None:
+                self._entries, self._fires = report.config_entries(self.app), schedulepage.NextFires()
+            status = report.cluster_status(self.app, store, self._redis, settings=self.settings,
+                                           paused_limit=PAUSED_SHOWN)
+            view = schedulepage.schedule_page(self.app, store, limit=limit, query=query, settings=self.settings,
+                                              entries=self._entries, fires=self._fires)
+            self._stored = (time.monotonic(), float(status.stored_schedules))
+        return status.as_dict(), view.as_dict()
+
+    def stored_count(self) -> float:
+        """Live stored schedules, read at most every :data:`STORED_COUNT_EVERY` seconds (NaN until read)."""
+        read_at, count = self._stored
+        if time.monotonic() - read_at < STORED_COUNT_EVERY or not self._lock.acquire(blocking=False):
+            return count  # fresh, or a page build holds the store (it reads the count too)
+        try:
+            self._stored = (time.monotonic(), count)  # failed or not, not again before the period ends
+            count = float(self._open().stored_count())
+            self._stored = (time.monotonic(), count)
+        except Exception as exc:  # the database is down: /metrics still answers
+            logger.debug("cluster-beat http: counting stored schedules failed: %s", mask_url(repr(exc)))
+        finally:
+            self._lock.release()
+        return count
 
     def close(self) -> None:
         with self._lock:

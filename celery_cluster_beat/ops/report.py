@@ -13,15 +13,22 @@ API (stable; the status page builds on it):
 * :func:`cluster_status` ``(app, store=None, redis=None) -> ClusterStatus``
 * :func:`schedule_list` ``(app, store=None) -> List[ScheduleInfo]``
 * :func:`history` ``(app, name, limit=50, store=None) -> List[HistoryRow]``
-* :func:`load_settings_of` ``(app) -> Settings``, :func:`open_store` ``(app, settings=None) -> ClaimStore``,
-  :func:`schedule_source` ``(app, name, store) -> 'config' | 'stored'`` (:class:`NoSuchSchedule` otherwise)
+* :func:`load_settings_of` ``(app) -> Settings``, :func:`open_store` ``(app, settings=None, *, write=False)
+  -> ClaimStore``: **read-only unless** ``write=True`` (a write on it raises
+  :class:`~celery_cluster_beat.store.errors.ReadOnlyStore`, a ``ConfigError``, saying so); either way
+  it never creates or migrates the schema (:class:`~celery_cluster_beat.store.errors.StoreNotInitialised`
+  on a database no beat prepared, :class:`~celery_cluster_beat.store.errors.OlderSchema` on an older
+  one); :class:`Opened` ``(app, store, settings)`` uses a given store or opens one (read-only) for a
+  ``with`` block; :func:`schedule_source` ``(app, name, store) -> 'config' | 'stored'``
+  (:class:`NoSuchSchedule` otherwise)
+* the status page's first schedules by relevance: :func:`.schedulepage.schedule_page`; the records
+  all these return: :mod:`.records` (importable from here)
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -35,19 +42,19 @@ from ..leader.urls import mask_url
 from ..schedules.celery_types import app_zone, cron, every
 from ..schedules.tzwall import zone_name
 from ..schedules.text import schedule_text
-from ..store import SCHEMA_VERSION, ClaimRow, ClaimStatus, ClaimStore
+from ..store import SCHEMA_VERSION, ClaimStatus, ClaimStore
 from ..store.stored import StoredRow
+from .records import (MANUAL, ClusterStatus, Counters, HistoryRow, LeaseInfo,  # noqa: F401  (the API's records)
+                      NodeInfo, ScheduleInfo, UnsentOccurrence)
 
 __all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "UnsentOccurrence", "ScheduleInfo", "Counters", "HistoryRow",
            "NoSuchSchedule", "cluster_status", "schedule_list", "history", "load_settings_of", "open_store",
-           "schedule_source", "config_entries", "RECENT_NODES"]
+           "schedule_source", "config_entries", "Opened", "ScheduleReads", "RECENT_NODES"]
 
 #: A node whose last heartbeat is older than this (seconds) is left out of ``status``.
 RECENT_NODES = 3600.0
 #: At most this many of the unsent occurrences are listed (all are counted).
 UNSENT_SHOWN = 20
-#: The reason a claim row of an operator's run-now carries.
-MANUAL = "manual"
 
 
 class NoSuchSchedule(UnknownSchedule):
@@ -55,180 +62,6 @@ class NoSuchSchedule(UnknownSchedule):
 
     def __str__(self) -> str:
         return f"no schedule is named {self.name!r} (neither a beat_schedule entry nor a stored schedule)"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-class _AsDict:
-    def as_dict(self) -> Dict[str, Any]:
-        """JSON-safe: times as ISO 8601 strings, nested records as dicts."""
-        return _plain(self)
-
-
-# ----------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class LeaseInfo(_AsDict):
-    """The leader lease as Redis holds it right now."""
-
-    enabled: bool  #: a Redis lease is configured (else every replica schedules and races on claims)
-    redis_url: Optional[str]  #: masked
-    key: Optional[str]  #: the lease's Redis key
-    holder: Optional[str]  #: node id of the leader, None when nobody holds the lease
-    term: Optional[int]  #: the holder's fencing term
-    expires_in: Optional[float]  #: seconds until the key expires unless renewed
-    expires_at: Optional[datetime]  #: the same, on the database's clock
-    error: Optional[str] = None  #: why Redis could not be read
-
-
-@dataclass(frozen=True)
-class NodeInfo(_AsDict):
-    """A beat node the claim store heard from recently."""
-
-    node: str
-    state: str  #: ``leader``, ``up`` (heartbeat within the claim grace) or ``gone``
-    scheduling: bool  #: it said so in its last heartbeat
-    started_at: datetime
-    heartbeat_at: datetime
-    heartbeat_age: float  #: seconds, by the database's clock
-    clock_offset: Optional[float]  #: seconds: database clock minus the node's
-
-
-@dataclass(frozen=True)
-class UnsentOccurrence(_AsDict):
-    """An occurrence claimed longer than the claim grace ago and still not sent."""
-
-    schedule: str
-    scheduled_at: datetime
-    claimed_at: datetime
-    node: str
-    attempts: int
-    reason: Optional[str]
-    age: float  #: seconds since it was claimed
-
-
-@dataclass(frozen=True)
-class ClusterStatus(_AsDict):
-    """``status``: who leads, who runs, where the store is, and what is late right now."""
-
-    cluster_name: str
-    now: datetime  #: the database's clock
-    db_url: str  #: masked
-    schema_version: Optional[int]  #: recorded in the store
-    code_schema_version: int  #: this release's
-    leader: Optional[str]  #: the lease holder; without a lease, the node that last raised the term
-    term: Optional[int]  #: the lease holder's term; without a lease, the store's
-    store_term: int  #: the highest term the store recorded
-    lease: LeaseInfo
-    nodes: Tuple[NodeInfo, ...]
-    schedules: int  #: config + stored
-    config_schedules: int
-    stored_schedules: int
-    paused: Tuple[str, ...]
-    claim_grace: float
-    #: Claimed more than ``claim_grace`` ago and not sent. Occurrences due but never claimed
-    #: (no leader running) leave no row, so they cannot be counted here.
-    unsent: int
-    unsent_shown: Tuple[UnsentOccurrence, ...]
-
-
-@dataclass(frozen=True)
-class Counters(_AsDict):
-    sent: int = 0
-    skipped: int = 0
-    missed: int = 0
-    failed: int = 0
-    claim_lost: int = 0
-    resent: int = 0
-
-
-@dataclass(frozen=True)
-class ScheduleInfo(_AsDict):
-    """``list``: one schedule, config or stored."""
-
-    name: str
-    task: str
-    source: str  #: ``config`` (beat_schedule or Celery's default entries) or ``stored``
-    schedule: str  #: cron fields, ``every <n>s [from HH:MM]``, or the rule's repr
-    zone: Optional[str]  #: the zone the rule is read in (None: an interval on the UTC grid)
-    enabled: bool
-    paused: bool
-    paused_at: Optional[datetime]
-    paused_by: Optional[str]
-    run_requested_at: Optional[datetime]  #: a run-now request still pending
-    next_fire: Optional[datetime]  #: computed (None when disabled, paused or invalid); jitter not included
-    last_occurrence: Optional[datetime]
-    last_status: Optional[str]  #: the last occurrence's claim status (sent, skipped, missed, failed, claimed)
-    last_run_state: Optional[str]  #: its run, when the task uses the ledger (running, succeeded, failed, retried)
-    last_reason: Optional[str]
-    last_sent_at: Optional[datetime]
-    last_error: Optional[str]
-    last_error_at: Optional[datetime]
-    counters: Counters
-    owner: Optional[str] = None
-    description: str = ""
-    problem: Optional[str] = None  #: a stored row that no longer validates
-
-    @property
-    def outcome(self) -> Optional[str]:
-        """The last occurrence in one word or two: its run state if known, else its claim status."""
-        if self.last_status is None:
-            return None
-        if self.last_run_state:
-            return self.last_run_state
-        if self.last_status in ("skipped", "failed") and self.last_reason:
-            return f"{self.last_status} ({self.last_reason.split(':', 1)[0][:40]})"
-        return self.last_status
-
-    def as_dict(self) -> Dict[str, Any]:
-        out = _plain(self)
-        out["outcome"] = self.outcome
-        return out
-
-
-@dataclass(frozen=True)
-class HistoryRow(_AsDict):
-    """``history``: one occurrence, from its claim row and the worker's ledger."""
-
-    schedule: str
-    scheduled_at: datetime
-    status: str
-    manual: bool  #: an operator's run-now
-    reason: Optional[str]
-    node: str  #: the beat node that claimed it
-    term: Optional[int]
-    task_id: str
-    claimed_at: datetime
-    sent_at: Optional[datetime]
-    attempts: int
-    run_state: Optional[str]
-    worker: Optional[str]
-    started_at: Optional[datetime]
-    finished_at: Optional[datetime]
-    runtime: Optional[float]
-    error: Optional[str]  #: the run's error, or why the occurrence was not sent
-    duplicates: Optional[int]
-
-    @classmethod
-    def from_claim(cls, row: ClaimRow) -> "HistoryRow":
-        error = row.run_error or (row.reason if row.status == "failed" else None)
-        worker = f"{row.worker}:{row.worker_pid}" if row.worker and row.worker_pid else row.worker
-        return cls(schedule=row.schedule, scheduled_at=row.scheduled_at, status=row.status,
-                   manual=(row.reason or "").startswith(MANUAL), reason=row.reason, node=row.node, term=row.term,
-                   task_id=row.task_id, claimed_at=row.claimed_at, sent_at=row.sent_at, attempts=row.attempts,
-                   run_state=row.run_state, worker=worker, started_at=row.started_at, finished_at=row.finished_at,
-                   runtime=row.runtime, error=error, duplicates=row.duplicates)
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -239,10 +72,15 @@ def load_settings_of(app: Any) -> Settings:
     return load_settings(app.conf, has_result_backend=lambda: has_result_backend(app), app_name=app.main)
 
 
-def open_store(app: Any, settings: Optional[Settings] = None) -> ClaimStore:
-    """An open claim store of *app*'s cluster for operators' reads and controls; close it after use.
+def open_store(app: Any, settings: Optional[Settings] = None, *, write: bool = False) -> ClaimStore:
+    """An open claim store of *app*'s cluster for operators' reads (or, *write*, controls); close it
+    after use.
 
-    A server that does not answer fails within 5 s (StoreUnavailable)."""
+    Read-only unless *write*: nothing is written, a SELECT-only role is enough, and a write asked
+    of it raises :class:`~celery_cluster_beat.store.errors.ReadOnlyStore`. Either way the schema is
+    only checked, never created or migrated (beat does that): a database no beat prepared yet is
+    ``StoreNotInitialised`` (so a mistyped URL is not given tables of its own), an older schema
+    ``OlderSchema``. A server that does not answer fails within 5 s (StoreUnavailable)."""
     settings = settings or load_settings_of(app)
     options: Dict[str, Any] = {}
     if not settings.db_url.startswith("sqlite") and "connect_timeout" not in settings.db_url:
@@ -254,7 +92,7 @@ def open_store(app: Any, settings: Optional[Settings] = None) -> ClaimStore:
         raise ConfigError(f"no claim database at {path}: set cluster_beat_db_url (or beat_schedule_filename) "
                           "to the one beat uses, or run this where beat runs")
     store = ClaimStore(settings.db_url, node_id=node, engine_options=options, lock_timeout=2.0,
-                        db_timeout=settings.db_timeout)
+                        db_timeout=settings.db_timeout, read_only=not write, prepare=False)
     store.open()
     return store
 
@@ -295,8 +133,9 @@ def schedule_source(app: Any, name: str, store: ClaimStore) -> str:
     raise NoSuchSchedule(name)
 
 
-class _Opened:
-    """Use the caller's store, or open one for the call and close it after."""
+class Opened:
+    """``with Opened(app, store, settings) as st``: the caller's *store* when given (left open), else
+    one opened read-only for the block (:func:`open_store`) and closed after it."""
 
     def __init__(self, app: Any, store: Optional[ClaimStore], settings: Optional[Settings] = None) -> None:
         self.app, self.store, self.settings, self.own = app, store, settings, store is None
@@ -334,15 +173,16 @@ def _describe(app: Any, schedule: Any) -> Tuple[str, Optional[str]]:
 
 
 def cluster_status(app: Any, store: Optional[ClaimStore] = None, redis: Any = None, *,
-                   settings: Optional[Settings] = None) -> ClusterStatus:
+                   settings: Optional[Settings] = None, paused_limit: Optional[int] = None) -> ClusterStatus:
     """The cluster now: leader and lease, nodes, store, schedule counts, unsent occurrences.
 
     *store* (open) and *redis* (a ``redis.Redis``) are used when given, else opened for the
     call. Redis trouble is reported in ``lease.error``, not raised; the store's is raised
-    (StoreUnavailable)."""
+    (StoreUnavailable). *paused_limit*: name at most that many paused schedules (all are counted)."""
     settings = settings or load_settings_of(app)
-    with _Opened(app, store, settings) as st:
-        ov = st.overview(grace=settings.claim_grace, recent=RECENT_NODES, unsent_limit=UNSENT_SHOWN)
+    with Opened(app, store, settings) as st:
+        ov = st.overview(grace=settings.claim_grace, recent=RECENT_NODES, unsent_limit=UNSENT_SHOWN,
+                         paused_limit=paused_limit)
     lease = _lease(settings, redis, ov.now)
     config_count = len(_config_names(app))
     if lease.enabled:
@@ -366,6 +206,7 @@ def cluster_status(app: Any, store: Optional[ClaimStore] = None, redis: Any = No
         store_term=ov.term, lease=lease, nodes=tuple(nodes), schedules=config_count + ov.stored_schedules,
         config_schedules=config_count, stored_schedules=ov.stored_schedules, paused=ov.paused,
         claim_grace=settings.claim_grace, unsent=ov.unsent, unsent_shown=unsent,
+        paused_count=ov.paused_count if ov.paused_count is not None else len(ov.paused),
     )
 
 
@@ -403,38 +244,49 @@ def schedule_list(app: Any, store: Optional[ClaimStore] = None) -> List[Schedule
     occurrence and outcome, counters, and whether an operator paused it.
 
     A config entry that does not validate raises ConfigError (beat would refuse to start);
-    a stored row that does not is listed with its ``problem``."""
+    a stored row that does not is listed with its ``problem``. (The status page shows the
+    first few by relevance instead: :mod:`.schedulepage`.)"""
     entries = config_entries(app)
-    with _Opened(app, store) as st:
+    with Opened(app, store) as st:
         stored = st.stored_list()
-        now = st.db_now()
-        states = {s.name: s for s in st.schedule_states()}
-        latest = st.latest_claims()
+        reads = ScheduleReads(app, st)
+    return [reads.config_info(name, entries[name]) for name in sorted(entries)] + [reads.stored_info(r) for r in stored]
+
+
+class ScheduleReads:
+    """What ``list`` and the status page show of schedules besides their definitions (state,
+    last occurrence, controls), read in one go: for *names*, or for every schedule (None)."""
+
+    def __init__(self, app: Any, st: ClaimStore, names: Optional[List[str]] = None,
+                 now: Optional[datetime] = None) -> None:
+        self.app = app
+        self.now = now = st.db_now() if now is None else now
+        self.states = {s.name: s for s in st.schedule_states(names)}
+        self.latest = latest = st.latest_claims(names)
         # An instant's occurrences are claimed up to a moment before it: that row is the next
         # fire, not the last outcome. Show the one before it (a few schedules at most).
         ahead = [n for n, r in latest.items() if r.status == ClaimStatus.CLAIMED and r.scheduled_at > now]
         before = st.latest_claims_before(ahead, now)
-        last_at: Dict[str, Optional[datetime]] = {}
+        self.last_at: Dict[str, Optional[datetime]] = {}
         for name in ahead:
             row = before.get(name)
-            last_at[name] = row.scheduled_at if row is not None else None
+            self.last_at[name] = row.scheduled_at if row is not None else None
             if row is None:
                 del latest[name]
             else:
                 latest[name] = row
-        controls = {c.name: c for c in st.controls(active_only=True)}
-    out: List[ScheduleInfo] = []
+        self.controls = {c.name: c for c in st.controls(names, active_only=True)}
 
-    def info(name: str, task: str, source: str, rule: Any, text: str, zone: Optional[str], enabled: bool,
+    def info(self, name: str, task: str, source: str, rule: Any, text: str, zone: Optional[str], enabled: bool,
              owner: Optional[str] = None, description: str = "", problem: Optional[str] = None) -> ScheduleInfo:
-        control = controls.get(name)
+        control = self.controls.get(name)
         paused = bool(control and control.paused)
-        state = states.get(name)
-        last = latest.get(name)
+        state = self.states.get(name)
+        last = self.latest.get(name)
         next_fire = None
         if rule is not None and enabled and not paused:
             try:
-                next_fire = rule.next_fire(now)
+                next_fire = rule.next_fire(self.now)
             except (ScheduleError, ValueError):
                 next_fire = None
         counters = Counters(**{f.name: getattr(state, f.name) for f in dataclasses.fields(Counters)}) \
@@ -445,31 +297,27 @@ def schedule_list(app: Any, store: Optional[ClaimStore] = None) -> List[Schedule
             paused_by=control.paused_by if paused and control else None,
             run_requested_at=control.run_requested_at if control and control.run_request else None,
             next_fire=next_fire,
-            last_occurrence=last_at[name] if name in last_at else (state.last_occurrence if state else None),
+            last_occurrence=self.last_at[name] if name in self.last_at else (state.last_occurrence if state else None),
             last_status=last.status if last else None, last_run_state=last.run_state if last else None,
             last_reason=last.reason if last else None, last_sent_at=state.last_sent_at if state else None,
             last_error=state.last_error if state else None, last_error_at=state.last_error_at if state else None,
             counters=counters, owner=owner, description=description or "", problem=problem,
         )
 
-    for name in sorted(entries):
-        e = entries[name]
-        text, zone = _describe(app, e.schedule)
-        out.append(info(name, e.task, "config", e.schedule, text, zone, e.enabled, description=e.description))
-    for row in stored:
-        out.append(_stored_info(app, row, info))
-    return out
+    def config_info(self, name: str, entry: Entry) -> ScheduleInfo:
+        text, zone = _describe(self.app, entry.schedule)
+        return self.info(name, entry.task, "config", entry.schedule, text, zone, entry.enabled,
+                         description=entry.description)
 
-
-def _stored_info(app: Any, row: StoredRow, info: Any) -> ScheduleInfo:
-    try:
-        entry = entry_from_row(row, app=app)
-    except ConfigError as exc:
-        return info(row.name, row.task, "stored", None, row.schedule, row.zone, row.enabled, owner=row.owner,
-                    description=row.description or "", problem="; ".join(exc.problems))
-    text, zone = _describe(app, entry.schedule)
-    return info(row.name, row.task, "stored", entry.schedule, text, zone, row.enabled, owner=row.owner,
-                description=row.description or "")
+    def stored_info(self, row: StoredRow) -> ScheduleInfo:
+        try:
+            entry = entry_from_row(row, app=self.app)
+        except ConfigError as exc:
+            return self.info(row.name, row.task, "stored", None, row.schedule, row.zone, row.enabled, owner=row.owner,
+                             description=row.description or "", problem="; ".join(exc.problems))
+        text, zone = _describe(self.app, entry.schedule)
+        return self.info(row.name, row.task, "stored", entry.schedule, text, zone, row.enabled, owner=row.owner,
+                         description=row.description or "")
 
 
 def history(app: Any, name: str, limit: int = 50, store: Optional[ClaimStore] = None) -> List[HistoryRow]:
@@ -479,7 +327,7 @@ def history(app: Any, name: str, limit: int = 50, store: Optional[ClaimStore] = 
     (a removed stored schedule keeps its history)."""
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
-    with _Opened(app, store) as st:
+    with Opened(app, store) as st:
         rows = st.recent_claims(name, limit=limit)
         if not rows:
             schedule_source(app, name, st)  # raises NoSuchSchedule for a name nobody knows

@@ -3,8 +3,9 @@
 Owns the tables (:mod:`.schema`) and their column types (:mod:`.types`), the
 public :class:`ClaimStore` API (:mod:`.claims`, assembled from one module per
 concern: :mod:`.engine`, :mod:`.prepare`, :mod:`.claiming`, :mod:`.takeover`,
-:mod:`.reads`, :mod:`.pruning`, :mod:`.ledger`, :mod:`.stored`, :mod:`.controls`,
-:mod:`.opsqueries`), and the per-dialect SQL behind one seam
+:mod:`.reads`, :mod:`.pruning`, :mod:`.ledger` with its checks of what a delivery's
+headers say (:mod:`.provenance`), :mod:`.stored`, :mod:`.controls`, :mod:`.opsqueries`,
+:mod:`.pagequeries`), and the per-dialect SQL behind one seam
 (:mod:`.dialects`: SQLite, PostgreSQL, MySQL/MariaDB). Callers see
 occurrences, statuses and :class:`StoreUnavailable`, never SQLAlchemy.
 

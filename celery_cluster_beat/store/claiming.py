@@ -308,6 +308,52 @@ class ClaimQueries:
         return self._run(work)
 
     @_database_errors
+    def fail_claimed(self, failed: Sequence[tuple[Occurrence, str]]) -> list[Occurrence]:
+        """Give up for good on claimed occurrences, each with its own reason (``failed``), in one
+        transaction: :meth:`mark_failed` with *final* for many, for occurrences that cannot be sent
+        at all (a schedule that cannot be planned, a stored row refused). One round of statements
+        however many there are, so a few hundred refused rows due at once cannot hold the scheduling
+        loop (and its lease). Returns those this node still held; the rest are another node's to
+        record."""
+        reasons = {claim_key(o): clip(str(e)) for o, e in failed}
+        ordered = sorted(_unique(o for o, _ in failed), key=claim_key)
+        if not ordered:
+            return []
+        c = claims_table
+
+        def work(conn: Connection) -> list[Any]:
+            now = self._now(conn)
+            changed: list[Any] = []
+            for chunk in chunks(ordered, self._dialect.batch):
+                changed.extend(self._dialect.update_by_keys(conn, KeyedUpdate(
+                    cols=CLAIM_KEY,
+                    keys=[claim_key(o) for o in chunk],
+                    where={"node": self.node_id, "status": ClaimStatus.CLAIMED.value},
+                    values={"status": ClaimStatus.FAILED.value},
+                    increment=("attempts",),
+                    returning=KEY_COLUMNS,
+                    expected=[claim_key(o) for o in chunk],
+                )))
+            mine = [(r[0], r[1]) for r in changed]
+            if mine:  # each row's own reason: one executemany over the rows just failed
+                conn.execute(
+                    sa.update(c).where(c.c.schedule == sa.bindparam("k_schedule"),
+                                       c.c.scheduled_at == sa.bindparam("k_at"), c.c.node == self.node_id)
+                    .values(reason=sa.bindparam("k_reason")),
+                    [{"k_schedule": s, "k_at": at, "k_reason": reasons[(s, at)]} for s, at in mine])
+            per: dict[str, dict[str, Any]] = {}
+            for s, at in mine:
+                state = per.setdefault(s, {"name": s, "failed": 0, "last_error": reasons[(s, at)],
+                                           "last_error_at": now})
+                state["failed"] += 1
+            self._upsert_schedules(conn, list(per.values()), now=now, add=("failed",),
+                                   assign=("last_error", "last_error_at"))
+            return mine
+
+        kept = set(self._run(work))
+        return [o for o in ordered if claim_key(o) in kept]
+
+    @_database_errors
     def mark_failed(self, occurrence: Occurrence, error: str, *, final: bool = False) -> bool:
         """Record a failed publish attempt.
 

@@ -39,8 +39,8 @@ Where each part lives (one concern a module, mixed into :class:`ClaimStore`):
 mark sent/failed, the fence), :mod:`.takeover` (heartbeats, release, the
 stale-claim sweep), :mod:`.reads` (term, per-schedule state, nodes, claim rows),
 :mod:`.pruning`, and the query families of the worker ledger (:mod:`.ledger`),
-stored schedules (:mod:`.stored`), operators' controls (:mod:`.controls`) and
-reports (:mod:`.opsqueries`). This module only assembles them.
+stored schedules (:mod:`.stored`), operators' controls (:mod:`.controls`),
+reports (:mod:`.opsqueries`) and the status page (:mod:`.pagequeries`). This module only assembles them.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from .engine import StoreEngine
 from .errors import SchemaVersionError, StaleTermError, StoreUnavailable  # noqa: F401
 from .ledger import LedgerQueries
 from .opsqueries import OpsQueries
+from .pagequeries import PageQueries
 from .prepare import SchemaPreparation
 from .pruning import PRUNE_STATEMENT_TIMEOUT, PruneQueries  # noqa: F401  (importable from here as before)
 from .reads import StateQueries
@@ -77,6 +78,7 @@ class ClaimStore(
     StoredScheduleQueries,
     ControlQueries,
     OpsQueries,
+    PageQueries,
     SchemaPreparation,
     StoreEngine,
 ):

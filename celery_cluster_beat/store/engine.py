@@ -17,11 +17,26 @@ connection a call is on; the pre-ping is done here, inside the bound).
 :class:`StoreEngine` is the base of :class:`~.claims.ClaimStore`; the query
 mixins (claiming, takeover, reads, pruning, ledger, ...) build on ``_run`` and
 ``_now``. Creating and migrating the tables on open is :mod:`.prepare`'s.
+
+A store opened with ``read_only=True`` (operators' reads: the CLI and the status page) writes
+nothing at all, so a SELECT-only role is enough: it checks the schema instead of preparing it,
+refuses any call that would write (:class:`~.errors.ReadOnlyStore`), and every session it opens is
+read-only on the server as well (``SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY``, ``SET
+SESSION TRANSACTION READ ONLY``, ``PRAGMA query_only``), so a write that slipped past is refused by
+the database too. Operators' writes (``pause``, ``run-now``, ...) open with ``prepare=False``: they
+write rows, but like reads they only check the schema, so a mistyped URL or an empty database is
+refused (:class:`~.errors.StoreNotInitialised`) instead of given tables and a cluster id of its own,
+and an older schema is left for beat to migrate (:class:`~.errors.OlderSchema`).
+
+A SQLite claim file is created here, before SQLAlchemy opens it, with mode 0600 whatever the
+umask (SQLite gives its ``-wal`` and ``-shm`` files the database file's mode): it holds
+schedules' arguments and the operators' names.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -36,7 +51,8 @@ from ..base import MAX_NODE_ID_LENGTH
 from ..errors import ConfigError
 from .deadline import DEFAULT_DB_TIMEOUT, WATCHDOG, Call
 from .dialects import SUPPORTED_BACKENDS, dialect_for
-from .errors import StoreUnavailable
+from .dialects.sqlite import SQLiteDialect, claim_file, create_private
+from .errors import ReadOnlyStore, StoreNotInitialised, StoreUnavailable
 from .errors import database_errors as _database_errors
 
 #: Named as before the store was split into modules: operators' logging configuration names it.
@@ -52,6 +68,14 @@ _SERVER_SHARE = 0.8
 _FRESH = "ccb_fresh"
 #: The :class:`Call` a checked-out connection is watched for (its pool record's ``info``).
 _CALL = "ccb_call"
+#: Per backend: the session statement that makes every later transaction of a read-only store
+#: read-only on the server (a write that slipped past :meth:`StoreEngine._connection` fails there too).
+_READ_ONLY_SESSION = {
+    "postgresql": "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+    "mysql": "SET SESSION TRANSACTION READ ONLY",
+    "mariadb": "SET SESSION TRANSACTION READ ONLY",
+    "sqlite": "PRAGMA query_only = ON",
+}
 
 T = TypeVar("T")
 S = TypeVar("S", bound="StoreEngine")
@@ -64,6 +88,8 @@ class StoreEngine:
 
         def _prepare_schema(self, engine: Engine) -> None: ...
 
+        def _check_schema(self, engine: Engine) -> None: ...
+
     def __init__(
         self,
         url: str,
@@ -72,12 +98,18 @@ class StoreEngine:
         engine_options: dict[str, Any] | None = None,
         lock_timeout: float = 10.0,
         db_timeout: float | None = None,
+        read_only: bool = False,
+        prepare: bool | None = None,
     ) -> None:
         """Parse and validate only: beat builds stores lazily and a store that
         is never opened must not touch the network or the file system.
 
         *db_timeout* bounds every database call, connecting included (seconds;
-        None: :data:`~.deadline.DEFAULT_DB_TIMEOUT`, the setting's default)."""
+        None: :data:`~.deadline.DEFAULT_DB_TIMEOUT`, the setting's default).
+        *read_only*: open for reads only (see the module docstring): nothing is created,
+        migrated or written, and an uninitialised database is refused on open
+        (:class:`~.errors.StoreNotInitialised`). *prepare*: create and migrate the schema on open,
+        as beat does (default: unless *read_only*); False checks it as a read-only open does."""
         try:
             self._url = make_url(url)
         except (sa.exc.ArgumentError, ValueError, TypeError) as exc:
@@ -100,6 +132,12 @@ class StoreEngine:
             raise ConfigError(f"setting cluster_beat_db_timeout: expected seconds between 0.5 and 86400, "
                               f"got {db_timeout!r}")
         self.node_id = node_id
+        #: Opened for reads only: no preparation, no writes (see the module docstring).
+        self.read_only = bool(read_only)
+        #: Open creates and migrates the schema (beat); otherwise it only checks it (operators).
+        self.prepare = not self.read_only if prepare is None else bool(prepare)
+        if self.read_only and self.prepare:
+            raise ValueError("a read-only store cannot prepare the schema")
         self.url_masked: str = self._url.render_as_string(hide_password=True)
         self._engine_options = dict(engine_options or {})
         self._lock_timeout = float(lock_timeout)
@@ -111,6 +149,8 @@ class StoreEngine:
         # Re-entrant: beat's SIGTERM handler calls close() in the very thread that may be inside open().
         self._open_lock = threading.RLock()
         self._dialect = dialect_for(backend)
+        if isinstance(self._dialect, SQLiteDialect):
+            self._dialect.read_only = not self.prepare  # leaves the file's journal mode as it is
         self._cluster_id: str | None = None
         #: Called after each transaction with its duration (seconds, retries included) and whether it
         #: succeeded (False: the database failed it); the metrics hook in here. Must not raise.
@@ -136,11 +176,13 @@ class StoreEngine:
         """Connect, create missing tables and refuse a newer schema; a no-op when open.
 
         Replicas starting together all run this at once, so table creation
-        tolerates losing the race to another replica.
+        tolerates losing the race to another replica. Without :attr:`prepare` (operators),
+        check the schema instead (:class:`~.errors.StoreNotInitialised` on an empty database).
         """
         with self._open_lock:
             if self._engine is not None:
                 return
+            self._claim_file()
             try:
                 engine = sa.create_engine(self._url, **self._build_engine_options())
             except (ImportError, sa.exc.NoSuchModuleError) as exc:  # no driver: not an outage to retry
@@ -155,14 +197,46 @@ class StoreEngine:
             sa.event.listen(engine, "checkout", checkout)
             sa.event.listen(engine, "checkin", self._checkin)
             self._dialect.install_events(engine, self._lock_timeout, self.db_timeout * _SERVER_SHARE)
+            if self.read_only:
+                self._install_read_only(engine)
             try:
-                self._prepare_schema(engine)
+                if self.prepare:
+                    self._prepare_schema(engine)
+                else:
+                    self._check_schema(engine)
                 self._dialect.learn(engine.dialect)
             except BaseException:
                 engine.dispose()
                 raise
             self._engine = engine
             logger.debug("claim store open: %s (node %s)", self.url_masked, self.node_id)
+
+    def _claim_file(self) -> None:
+        """SQLite: create the claim file 0600 before SQLite does (it would make it 0644 less the
+        umask); without :attr:`prepare`, refuse a missing file rather than let SQLite create it."""
+        if not isinstance(self._dialect, SQLiteDialect):
+            return
+        path = claim_file(self._url)
+        if path is None:  # in memory, or a file: URI (its own mode= and modeof= say how)
+            return
+        if not self.prepare:
+            if not os.path.exists(path):
+                raise StoreNotInitialised(path, "no claim database file at")
+            return
+        create_private(path)
+
+    def _install_read_only(self, engine: Engine) -> None:
+        """Every new connection of a read-only store: its transactions read-only on the server."""
+        statement = _READ_ONLY_SESSION[self._url.get_backend_name()]
+
+        @sa.event.listens_for(engine, "connect")
+        def _read_only_session(dbapi_conn: Any, record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute(statement)
+            finally:
+                cur.close()
+            dbapi_conn.commit()
 
     #: Per backend: the driver we test with, in its URL form, and the extra that installs it.
     _DRIVERS = {"postgresql": ("psycopg", "postgres"), "mysql": ("pymysql", "mysql"), "mariadb": ("pymysql", "mysql")}
@@ -225,6 +299,8 @@ class StoreEngine:
 
         The watch ends at check-in (:meth:`_checkin`, before the pool can hand the connection to
         another thread), not in the ``finally`` below, which runs after the connection is back."""
+        if write and self.read_only:
+            raise ReadOnlyStore(repr(self))
         call = Call(self.db_timeout, self.url_masked)
         local = self._local
         outer, local.call = getattr(local, "call", None), call

@@ -82,3 +82,52 @@ class SchemaVersionError(ConfigError):
     Opening it anyway could corrupt data the newer version relies on, so we
     refuse at start-up and say which versions are involved.
     """
+
+
+class StoreNotInitialised(ConfigError):
+    """A store opened without preparing the schema (operators' reads and writes) found no cluster-beat
+    tables: no beat prepared this database yet.
+
+    Not an outage to retry: the database is there and answers. A :class:`ConfigError`, so whatever
+    reports configuration problems reports it alike (one line, no traceback); the command line
+    exits with a code of its own on it (see :mod:`celery_cluster_beat.ops.cli`)."""
+
+    def __init__(self, where: str, what: str = "no cluster-beat tables in") -> None:
+        self.where, self.what = where, what
+        super().__init__(f"not initialised yet: {what} {where}; start a beat first")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.where, self.what))
+
+
+class OlderSchema(ConfigError):
+    """A store opened without preparing the schema found one written by an older release: only beat
+    migrates it (operators' commands must not change the schema under running replicas)."""
+
+    def __init__(self, where: str, found: int, current: int) -> None:
+        self.where, self.found, self.current = where, found, current
+        super().__init__(
+            f"the claim database {where} has schema version {found}, older than version {current} "
+            "of this celery-cluster-beat; only beat migrates it: start a beat of this release (it migrates "
+            "the schema on start-up), then try again")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.where, self.found, self.current))
+
+
+class ReadOnlyStore(ConfigError):
+    """A write was asked of a store opened read-only (``ClaimStore(..., read_only=True)``, or
+    :func:`celery_cluster_beat.ops.report.open_store` without ``write=True``).
+
+    Raised before anything reaches the database. A :class:`ConfigError` rather than a bare
+    ``RuntimeError``: the caller opened the store the wrong way, and the message says how to open
+    it for writing."""
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+        super().__init__(
+            f"{store} was opened read-only and does not write: open it with "
+            "celery_cluster_beat.ops.report.open_store(app, write=True) (or ClaimStore(..., read_only=False))")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.store,))

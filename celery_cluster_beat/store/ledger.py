@@ -12,10 +12,9 @@ rows thus become the run history, pruned like any claim row; the overlap guard r
 them back in one SELECT (:meth:`LedgerQueries.run_states`), where a ``running`` row
 whose process is known gone reads as ``failed`` (over).
 
-Each decision is one conditional UPDATE in a short transaction, so it is exact
-under concurrency on every server: PostgreSQL and MySQL/MariaDB (READ
-COMMITTED) re-check the WHERE clause on the latest committed row after waiting
-for a concurrent writer's lock, and SQLite writers are serialised (BEGIN
+Each decision is one conditional UPDATE in a short transaction, exact under concurrency on
+every server: PostgreSQL and MySQL/MariaDB (READ COMMITTED) re-check the WHERE clause on the
+latest committed row after waiting for a writer's lock, SQLite serialises writers (BEGIN
 IMMEDIATE). Rules, in the order they are tried:
 
 * **started**: the row has no run yet (``run_state`` NULL), whatever its claim
@@ -50,10 +49,14 @@ IMMEDIATE). Rules, in the order they are tried:
   the row itself (status ``sent``, reason saying so) with its run already started, by an
   insert-if-absent, so exactly one delivery still wins; a row beat inserts meanwhile
   is simply decided by the rules above.
+
+First of all, a delivery whose headers beat cannot have written is **refused** (not run, nothing
+written): a row-less instant well ahead of the database's clock, or a schedule that runs another
+task; one whose task nobody can check runs, flagged ``unchecked`` (:mod:`.provenance`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Iterable, Optional
 
@@ -66,6 +69,7 @@ from ..schedules.occurrence import occurrence_task_id
 from .dialects.base import chunks, new_token
 from .errors import database_errors
 from .liveness import ProcessGone, WorkerLiveness, alive_until, mark_gone
+from .provenance import FUTURE_MARGIN, Provenance, Refusal, Unchecked, provenance
 from .schema import RUN_ERROR_LENGTH, TASK_ID_LENGTH, ClaimStatus, RunState, claims_table, workers_table
 
 #: Run states a Celery retry (a later attempt, same task id) continues.
@@ -85,6 +89,7 @@ class StartOutcome(StrEnum):
     CONTINUED = "continued"  # a Celery retry of the run (same task id, retries > 0)
     RERUN = "rerun"  # redelivery of a run whose process is known gone (acks_late)
     DUPLICATE = "duplicate"  # another delivery holds or held the run: do not run
+    REFUSED = "refused"  # the headers cannot be those of a message beat sent: do not run (see Refusal)
 
 
 @dataclass(frozen=True)
@@ -106,11 +111,18 @@ class RunStart:
     #: could be judged gone by the database's clock. None otherwise.
     check_token: Optional[str] = None
     check_in: Optional[float] = None
+    #: For a refused delivery: why, the database's time of the decision, and the schedule's task
+    #: (None when the schedule is unknown).
+    refusal: Optional[Refusal] = None
+    db_now: Optional[datetime] = None
+    schedule_task: Optional[str] = None
+    #: Why the delivered task went unchecked (it runs), or None: it was checked (or not asked for).
+    unchecked: Optional[Unchecked] = None
 
     @property
     def runs(self) -> bool:
         """Whether this delivery runs the body."""
-        return self.outcome is not StartOutcome.DUPLICATE
+        return self.outcome not in (StartOutcome.DUPLICATE, StartOutcome.REFUSED)
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,8 @@ class LedgerQueries(WorkerLiveness):
         takeover: bool = False,
         check: Optional[str] = None,
         token: Optional[str] = None,
+        task: Optional[str] = None,
+        schedule_task: Optional[str] = None,
     ) -> RunStart:
         """Try to start the run of occurrence (*schedule*, *scheduled_at*) for this delivery.
 
@@ -171,8 +185,11 @@ class LedgerQueries(WorkerLiveness):
         *token* identifies this delivery (generated when None): pass the same one to every
         retry of this call for one delivery, so a start that committed although its caller saw
         an error is recognised as this delivery's own (STARTED), not as a duplicate.
-        Raises StoreUnavailable when the database cannot answer, ValueError for a name
-        or instant the claim table cannot hold.
+        *task* (delivered) must be the schedule's: *schedule_task* (its config entry's) or its stored
+        row's, else REFUSED, as a row-less future instant always is (None: no task check; see
+        :mod:`.provenance`). Raises
+        StoreUnavailable when the database cannot answer, ValueError for a name or instant the claim
+        table cannot hold.
         """
         at = require_aware(scheduled_at, "scheduled_at")
         if not schedule or len(schedule) > MAX_NAME_LENGTH:
@@ -198,10 +215,15 @@ class LedgerQueries(WorkerLiveness):
             return result.rowcount == 1
 
         def work(conn: Connection) -> Optional[RunStart]:
+            now = self._now(conn)
+            found = provenance(conn, schedule, at, now, task, schedule_task)
+            if found.refusal is not None:
+                return RunStart(StartOutcome.REFUSED, None, refusal=found.refusal, db_now=now,
+                                schedule_task=found.schedule_task)
+            checked.append(found)
             if process is not None and grace is not None:
                 if not self._beat(conn, process, process.rsplit(":", 2)[0], pid, grace):
                     return None  # ProcessGone, raised below
-            now = self._now(conn)
             inserted = False
             for _ in range(3):
                 if take(conn, now, c.c.run_state.is_(None)):
@@ -254,10 +276,11 @@ class LedgerQueries(WorkerLiveness):
                                 check_token=check_token, check_in=check_in)
             raise RuntimeError("claim row kept changing while a run started")  # pragma: no cover
 
+        checked: list[Provenance] = []
         started = self._run(work)
         if started is None:
             raise ProcessGone(f"worker process {process} is recorded gone: take a new identity")
-        return started
+        return replace(started, unchecked=checked[-1].unchecked) if checked else started
 
     def _pending_check(self, conn: Connection, key: Any, row: Any, check: Optional[str], due: datetime,
                        now: datetime) -> tuple[Optional[str], Optional[float]]:
@@ -439,4 +462,5 @@ class LedgerQueries(WorkerLiveness):
         return out
 
 
-__all__ = ["LedgerQueries", "LedgerState", "RunStart", "StartOutcome", "error_summary", "NO_CLAIM_REASON"]
+__all__ = ["LedgerQueries", "LedgerState", "RunStart", "StartOutcome", "Refusal", "Unchecked", "error_summary",
+           "FUTURE_MARGIN", "NO_CLAIM_REASON"]

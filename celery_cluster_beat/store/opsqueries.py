@@ -46,6 +46,7 @@ class StoreOverview:
     paused: Tuple[str, ...]  #: names an operator paused
     unsent: int  #: rows still ``claimed`` although claimed longer than the grace ago
     unsent_rows: Tuple[ClaimRow, ...]  #: the oldest of them (at most the limit asked)
+    paused_count: Optional[int] = None  #: how many are paused, when ``paused`` was limited
 
 
 class OpsQueries:
@@ -60,7 +61,8 @@ class OpsQueries:
         def _now(self, conn: "Connection") -> datetime: ...
 
     @database_errors
-    def overview(self, *, grace: float, recent: float = 3600.0, unsent_limit: int = 20) -> StoreOverview:
+    def overview(self, *, grace: float, recent: float = 3600.0, unsent_limit: int = 20,
+                 paused_limit: Optional[int] = None) -> StoreOverview:
         """The cluster as the store sees it: nodes heard from within *recent* seconds, and the
         occurrences claimed more than *grace* seconds ago and still not sent (by the database's clock)."""
         c, n, lt = claims_table, nodes_table, leader_table
@@ -76,7 +78,10 @@ class OpsQueries:
             s = stored_schedules_table
             stored = conn.execute(sa.select(sa.func.count()).select_from(s).where(s.c.deleted == sa.false())).scalar()
             k = controls_table
-            paused = conn.execute(sa.select(k.c.name).where(k.c.paused == sa.true()).order_by(k.c.name)).scalars().all()
+            paused = conn.execute(sa.select(k.c.name).where(k.c.paused == sa.true()).order_by(k.c.name)
+                                  .limit(paused_limit)).scalars().all()  # limit None: all of them
+            paused_count = None if paused_limit is None else conn.execute(
+                sa.select(sa.func.count()).select_from(k).where(k.c.paused == sa.true())).scalar()
             # One SELECT: the oldest unsent rows with their total count (a window function,
             # which SQLite >= 3.25, PostgreSQL and MariaDB >= 10.2 have).
             late = conn.execute(
@@ -93,6 +98,7 @@ class OpsQueries:
                             for r in nodes),
                 stored_schedules=int(stored or 0),
                 paused=tuple(paused),
+                paused_count=len(paused) if paused_count is None else int(paused_count),
                 unsent=int(late[0].total) if late else 0,
                 unsent_rows=tuple(ClaimRow(*r[:len(_CLAIM_FIELDS)]) for r in late[:unsent_limit]),
             )

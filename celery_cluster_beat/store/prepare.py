@@ -9,8 +9,18 @@ up to :data:`~.schema.SCHEMA_VERSION` step by step (:data:`~.schema.MIGRATIONS`)
 one written by a newer release is refused (:class:`~.errors.SchemaVersionError`)
 rather than misread.
 
+Operators' commands (``cluster-beat status | list | history | check``, the status page, and
+the writes ``pause | resume | run-now | prune``) only check the schema instead
+(:meth:`SchemaPreparation._check_schema`): reads must work with a SELECT-only database role, and a
+command that prepared an empty (or mistyped) database would give it tables and a cluster id of its
+own, then report another cluster's lease as its leader or "succeed" at a pause no beat reads. So
+such an open only looks: an uninitialised database is :class:`~.errors.StoreNotInitialised`, an
+older schema :class:`~.errors.OlderSchema` (a beat of this release migrates it: an operator's
+command must not change the schema under running replicas of the older release), a newer one
+:class:`~.errors.SchemaVersionError`, and nothing is created or migrated.
+
 Mixed into :class:`~.claims.ClaimStore`; :meth:`~.engine.StoreEngine.open` calls
-``_prepare_schema`` with the new engine before any query runs.
+``_prepare_schema`` (or, for operators, ``_check_schema``) with the new engine before any query runs.
 """
 from __future__ import annotations
 
@@ -23,7 +33,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from .dialects.base import new_token
 from .engine import logger
-from .errors import SchemaVersionError
+from .errors import OlderSchema, SchemaVersionError, StoreNotInitialised
 from .schema import MIGRATIONS, SCHEMA_VERSION, leader_table, meta_table, metadata, schedule_version_table
 
 
@@ -73,6 +83,25 @@ class SchemaPreparation:
                         raise
                     logger.debug("schema creation raced another node (%s); retrying", exc.orig)
             time.sleep(0.1 * attempt + random.random() * 0.1)
+
+    def _check_schema(self, engine: Engine) -> None:
+        """The operators' open: learn the cluster id of a current schema, writing nothing.
+
+        :class:`~.errors.StoreNotInitialised` when no beat prepared the database,
+        :class:`~.errors.OlderSchema` when an older release did (whatever it recorded besides its
+        version: an older release may not have written every row this one reads),
+        :class:`~.errors.SchemaVersionError` when a newer one did."""
+        with self._connection(engine, write=False) as conn, conn.begin():
+            found = self._check_version(conn)
+            if found is None:
+                raise StoreNotInitialised(self.url_masked)
+            if found < SCHEMA_VERSION:
+                raise OlderSchema(self.url_masked, found, SCHEMA_VERSION)
+            cluster_id = conn.execute(
+                sa.select(meta_table.c.value).where(meta_table.c.key == "cluster_id")).scalar_one_or_none()
+        if cluster_id is None:  # a current version and no cluster id: a preparation cut short
+            raise StoreNotInitialised(self.url_masked)
+        self._cluster_id = cluster_id
 
     def _migrate(self, conn: Connection, found: int) -> None:
         """Bring a store written by an older release up to :data:`SCHEMA_VERSION`, step by step."""

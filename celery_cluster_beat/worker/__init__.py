@@ -6,7 +6,9 @@ Owns the message protocol between beat and the worker (:mod:`.protocol`: the
 ledger columns, so a second delivery of an occurrence is recognised and not run;
 each process running ledger tasks heartbeats (:mod:`.liveness`), so a run is taken over
 only when its process is gone, and a worker's main process records the end of a run its
-pool child could not (:mod:`.outcomes`).
+pool child could not (:mod:`.outcomes`). A delivery whose headers beat cannot have written
+(an instant ahead of the database's clock with no claim row, a schedule that runs another task)
+is refused, never recorded (:mod:`.provenance`, :mod:`..store.provenance`).
 The ledger's SQL lives in the store (:mod:`..store.ledger`); beat's overlap guard
 reads it back.
 

@@ -10,6 +10,11 @@ store before the body runs (:meth:`~..store.ledger.LedgerQueries.start_run`):
   reported as ``duplicate-skipped`` through :data:`~..signals.run_handled`, counted on
   the row (``duplicates``) and ends with :class:`celery.exceptions.Ignore`, so the result
   backend keeps the real run's result;
+* a delivery beat cannot have sent is **refused** (not run, nothing recorded, one WARNING,
+  reported as ``refused``, :class:`~celery.exceptions.Ignore`): a row-less instant ahead of the
+  claim database's clock, or its schedule's task is not this task (a config entry's from this
+  worker's ``beat_schedule``, a stored schedule's from its row unless it changed since the
+  instant; a schedule nobody names runs, with one WARNING: :mod:`..store.provenance`);
 * Celery's retries (``self.retry``: same task id, ``retries`` > 0, any number of them)
   continue the run;
 * **liveness, not age, decides a re-run** (acks_late): the row names the process that runs
@@ -66,6 +71,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from .. import signals
 from ..base import MAX_NODE_ID_LENGTH, clip
 from ..config.settings import db_timeout_setting, default_db_url
+from ..config.values import shown
 from ..signals import RunOutcome
 from ..store import ClaimStore, StoreUnavailable
 from ..store.dialects.base import new_token
@@ -75,6 +81,7 @@ from ..store.schema import RunState
 from .calls import enters_delivery
 from .liveness import defer, process_id, renew_identity, start_heartbeat, worker_grace
 from .protocol import HEADER_CHECK, HEADERS, OccurrenceContext, ProtocolError
+from .provenance import configured_task, refusal_text, warn_unchecked
 from .tracking import TrackStarted, TrackStartedType, store_started
 
 logger = logging.getLogger("celery_cluster_beat.worker")
@@ -177,6 +184,14 @@ class LedgerTask(Task, metaclass=TrackStartedType):
             return super().__call__(*args, **kwargs)
         worker = request.hostname or socket.gethostname()
         start = self._start(occ, worker)
+        if start.outcome is StartOutcome.REFUSED:  # headers beat cannot have written (worker/provenance.py)
+            logger.warning("cluster-beat ledger: %s[%s]: delivery for %s at %s refused: %s; not run, nothing "
+                           "recorded", self.name, request.id, shown(occ.schedule, 300), occ.scheduled_at.isoformat(),
+                           refusal_text(start, self.name, occ.schedule))
+            self._report(RunOutcome.REFUSED, occ, worker)
+            raise Ignore()
+        if start.unchecked:
+            warn_unchecked(logger, occ.schedule, self.name, start.unchecked)
         if not start.runs:
             logger.warning(
                 "cluster-beat ledger: %s[%s]: duplicate delivery of %s at %s not run (run %s, worker %s)",
@@ -260,7 +275,8 @@ class LedgerTask(Task, metaclass=TrackStartedType):
                 return ledger_store(self.app).start_run(
                     occ.schedule, occ.scheduled_at, task_id=occ.task_id, worker=worker, pid=os.getpid(),
                     retries=occ.attempt - 1, process=process, grace=worker_grace(self.app),
-                    takeover=bool(self.acks_late), check=self._check_header(), token=token)
+                    takeover=bool(self.acks_late), check=self._check_header(), token=token, task=self.name,
+                    schedule_task=configured_task(self.app, occ.schedule))
             except ProcessGone:
                 renew_identity(process)
                 renewed += 1

@@ -13,6 +13,10 @@ transport on a SQLite file, so no server is needed. For a cluster::
 shared volume or, in real life, object storage). ``REPORTS_QUEUE`` and
 ``CLUSTER_BEAT_NAME`` only matter when several copies of the example share one
 Redis (the tests do): the queue and the lease name must then differ.
+
+The folders this example creates (the data folder, the snapshots and each report's folder in
+it) are 0700, whatever the umask: snapshots hold the users' data. A folder that exists keeps
+its mode.
 """
 from __future__ import annotations
 
@@ -79,9 +83,28 @@ class Settings:
         return conf
 
     def prepare_dirs(self) -> None:
-        """Create the folders the SQLite files and snapshots go to."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        """Create the folders the SQLite files and snapshots go to (0700, see the module docstring)."""
+        private_dir(self.data_dir)
+        private_dir(self.output_dir)
+
+
+#: Mode of the folders this example creates, and of its snapshots (0600): the owner's alone.
+DIR_MODE = 0o700
+
+
+def private_dir(path: Path) -> None:
+    """Create *path* and its missing parents with mode 0700, whatever the umask. Another process
+    creating one of them at the same time is fine (it creates it the same way)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(folder, DIR_MODE)  # the umask may have taken bits off
 
 
 def make_celery(settings: Settings) -> Celery:

@@ -11,9 +11,14 @@ A run is decided at run time, never at scheduling time:
 2. An export row is inserted for the occurrence (status ``running``).
 3. The owner's permission to export the table is read again: revoked → the run fails.
 4. The CSV snapshot is written (masked columns masked) under a name of its own occurrence,
-   through a temporary file, and the export row gets its rows, bytes and path.
+   through a temporary file, and the export row gets its rows, bytes and path. A masked
+   column is masked in the query itself, so its value never reaches this process (nor a
+   failure message); the snapshot is 0600 in a 0700 folder.
 5. The owner is notified (``report.ready``, or ``report.failed`` with the reason). A failed
    notification is logged and nothing more: it never fails or re-runs the run.
+
+A failure reason never holds a row's values: a row that cannot be read or written is named by
+its number, with the error's class only.
 
 A failed run is recorded (export row ``failed`` with the reason, the ledger's ``failed``),
 raises, and is never retried: Celery acknowledges the message before running it, the task
@@ -36,7 +41,7 @@ from sqlalchemy.orm import Session
 from celery_cluster_beat.worker import LedgerTask
 
 from .models import Export, Notification, Permission, Report, utcnow
-from .settings import Settings, make_celery
+from .settings import Settings, make_celery, private_dir
 
 settings = Settings.from_env()
 app = make_celery(settings)
@@ -44,6 +49,8 @@ log = get_task_logger(__name__)
 
 #: What a masked value becomes in the snapshot.
 MASK = "***"
+#: Mode of a snapshot: the owner's alone (its folder is 0700).
+FILE_MODE = 0o600
 
 
 class ReportFailed(Exception):
@@ -122,27 +129,34 @@ def write_snapshot(engine: sa.Engine, table_name: str, masked: Any, path: Path) 
     """Write *table_name* as CSV to *path* with the *masked* columns masked; (rows, bytes).
 
     Fails (before writing anything) when a column to mask no longer exists: better no
-    snapshot than an unmasked one. The file appears whole or not at all (rename).
+    snapshot than an unmasked one. A masked column is masked by the query (``***``, or empty
+    for NULL): its value is never fetched, so never converted, and no conversion error can
+    carry it into a message. A row that fails is named by its number, never by its values.
+    The file appears whole or not at all (rename), 0600 in a 0700 folder.
     """
     table = sa.Table(table_name, sa.MetaData(), autoload_with=engine)
     missing = [c for c in masked if c not in table.c]
     if missing:
         raise ReportFailed(f"table {table_name} has no column {', '.join(missing)} to mask any more")
-    masked_at = [i for i, c in enumerate(table.c) if c.name in masked]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = [sa.case((c.is_(None), sa.null()), else_=sa.literal(MASK)).label(c.name) if c.name in masked else c
+               for c in table.c]
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     rows = 0
     try:
-        with engine.connect() as conn, open(tmp, "w", newline="", encoding="utf-8") as out:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)  # whatever the umask
+        with open(fd, "w", newline="", encoding="utf-8") as out, engine.connect() as conn:
             writer = csv.writer(out)
             writer.writerow(table.c.keys())
             order = list(table.primary_key.columns) or list(table.c)
-            for row in conn.execute(sa.select(table).order_by(*order)):
-                values = list(row)
-                for i in masked_at:
-                    values[i] = MASK if values[i] is not None else None
-                writer.writerow(values)
-                rows += 1
+            try:
+                for row in conn.execute(sa.select(*columns).order_by(*order)):
+                    writer.writerow(row)
+                    rows += 1
+            except Exception as exc:  # a value the driver or the CSV writer could not take: its text may quote it
+                raise ReportFailed(f"row {rows + 1} of table {table_name} could not be exported "
+                                   f"({type(exc).__name__}; its values are not shown)") from None
         os.replace(tmp, path)
     finally:
         if tmp.exists():

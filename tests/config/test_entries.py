@@ -42,7 +42,7 @@ def test_celery_schedule_types_are_converted():
     ({"task": "t", "schedule": {"every": 5}}, "schedule", "not supported"),
     ({"task": "t", "schedule": 10, "args": "x"}, "args", "expected a list or tuple"),
     ({"task": "t", "schedule": 10, "kwargs": [1]}, "kwargs", "expected a dict"),
-    ({"task": "t", "schedule": 10, "options": {"priority": 300}}, "options", "priority"),
+    ({"task": "t", "schedule": 10, "options": {"priority": 300}}, "options.priority", "integer 0-255"),
     ({"task": "t", "schedule": 10, "overlap": "sometimes"}, "overlap", "expected one of skip, allow"),
     ({"task": "t", "schedule": 10, "catchup": "most"}, "catchup", "expected one of latest, all, none"),
     ({"task": "t", "schedule": 10, "max_run_time": 0}, "max_run_time", "must be positive"),
@@ -60,7 +60,7 @@ def test_celery_schedule_types_are_converted():
     ({"task": "t", "schedule": 1e300}, "schedule", "cannot be read as a schedule (OverflowError"),
     ({"task": "t", "schedule": timedelta(days=40000)}, "schedule", "interval longer than"),
     ({"task": "t", "schedule": 10, "kwargs": {1: "x"}}, "kwargs", "keyword names must be strings"),
-    ({"task": "t", "schedule": 10, "options": {"expires": 1e300}}, "options", "expires: must be at most"),
+    ({"task": "t", "schedule": 10, "options": {"expires": 1e300}}, "options.expires", "must be at most"),
     ({"task": "t", "schedule": 10, "description": "a\x00"}, "description", "control character"),
 ])
 def test_a_bad_field_is_named_with_its_entry_and_reason(spec, field, reason):

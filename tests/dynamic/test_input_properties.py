@@ -89,7 +89,8 @@ def _works(entry: Any, settings_: Any) -> None:
 
 def _refused_naming(exc: ConfigError, name: str, field: str) -> None:
     message = str(exc)
-    assert f": {field}: " in message or (field == "name" and "name:" in message), message
+    # (an option is named down to its key: "options.priority", "options.headers.task")
+    assert f": {field}: " in message or f": {field}." in message or (field == "name" and "name:" in message), message
     assert field == "name" or repr(name) in message, message
 
 

@@ -25,6 +25,7 @@ from celery import Celery
 from sqlalchemy.engine import make_url
 
 import procs
+from known_schedules import known_schedule
 from celery_cluster_beat.config.settings import load_settings
 from celery_cluster_beat.errors import ConfigError
 from celery_cluster_beat.schedules.instants import utc_iso
@@ -188,6 +189,7 @@ def test_a_worker_whose_ledger_database_goes_dark_gives_up_after_ledger_wait(tmp
                 o = Occurrence(name, datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1))
                 assert beat.claim([o]) == [o]
                 assert beat.mark_sent([o]) == 1
+                known_schedule(pg_url, o.schedule, "t.quick")
                 headers = {"cluster_beat_schedule": o.schedule, "cluster_beat_scheduled_at": utc_iso(o.at),
                            "cluster_beat_node": "beat-under-test", "cluster_beat_catchup": False,
                            "cluster_beat_attempt": 1, "cluster_beat_max_run_time": 600.0}

@@ -19,7 +19,7 @@ from celery_cluster_beat.store.ledger import NO_CLAIM_REASON, LedgerState, Start
 from celery_cluster_beat.store.schema import RUN_ERROR_LENGTH, RunState
 
 UTC = timezone.utc
-T0 = datetime(2030, 1, 1, tzinfo=UTC)
+T0 = datetime(2020, 1, 1, tzinfo=UTC)  # in the past: the ledger refuses an instant ahead of the database's clock
 STARTED, CONTINUED, RERUN, DUPLICATE = (StartOutcome.STARTED, StartOutcome.CONTINUED, StartOutcome.RERUN,
                                         StartOutcome.DUPLICATE)
 

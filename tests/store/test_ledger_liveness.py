@@ -24,7 +24,7 @@ from celery_cluster_beat.store.liveness import ProcessGone
 from celery_cluster_beat.store.schema import RunState, claims_table
 
 UTC = timezone.utc
-T0 = datetime(2031, 1, 1, tzinfo=UTC)
+T0 = datetime(2021, 1, 1, tzinfo=UTC)  # in the past: the ledger refuses an instant ahead of the database's clock
 STARTED, CONTINUED, RERUN, DUPLICATE = (StartOutcome.STARTED, StartOutcome.CONTINUED, StartOutcome.RERUN,
                                         StartOutcome.DUPLICATE)
 ALIVE = 120.0  # a grace no test outlives

@@ -25,7 +25,7 @@ from celery_cluster_beat.store import ClaimStore
 from celery_cluster_beat.store.ledger import StartOutcome
 from celery_cluster_beat.store.schema import RunState
 
-AT = datetime(2032, 1, 1, tzinfo=timezone.utc)
+AT = datetime(2022, 1, 1, tzinfo=timezone.utc)  # in the past: the ledger refuses an instant ahead of the database's clock
 NAME = "modelled"
 LIVE = 120.0
 LAST_BEAT = 0.02  # the grace of a dying process's last heartbeat

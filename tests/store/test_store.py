@@ -327,6 +327,27 @@ def test_mark_sent_and_mark_failed_record_the_outcome_of_a_publish(make_store):
     assert store.mark_failed(occ("zzz", 0), "never claimed") is False
 
 
+def test_many_occurrences_that_cannot_be_sent_are_failed_at_once_each_with_its_own_reason(make_store):
+    """fail_claimed: the rows this node holds end ``failed`` with their own reasons, in one
+    transaction however many; another node's rows, sent rows and unclaimed ones are left alone."""
+    store, other = make_store("node-a"), make_store("node-b")
+    mine = [occ(f"refused-{i:03d}", 1) for i in range(300)]
+    theirs, sent = occ("taken", 1), occ("sent", 1)
+    assert store.claim(mine + [sent]) == mine + [sent] and other.claim([theirs]) == [theirs]
+    assert store.mark_sent([sent]) == 1
+    failed = [(o, f"stored schedule {o.schedule!r}: options.headers.task: reserved") for o in mine]
+    failed += [(theirs, "not mine"), (sent, "already sent"), (occ("never", 1), "never claimed")]
+    assert store.fail_claimed(failed) == sorted(mine, key=lambda o: (o.schedule, o.at))
+    rows = {r.schedule: r for r in store.claims()}
+    assert all((rows[o.schedule].status, rows[o.schedule].reason, rows[o.schedule].attempts)
+               == ("failed", f"stored schedule {o.schedule!r}: options.headers.task: reserved", 1) for o in mine)
+    assert (rows["taken"].status, rows["taken"].node, rows["sent"].status) == ("claimed", "node-b", "sent")
+    assert "never" not in rows
+    st = states(store)
+    assert st["refused-007"].failed == 1 and st["refused-007"].last_error.startswith("stored schedule 'refused-007'")
+    assert store.fail_claimed(failed) == [] and states(store)["refused-007"].failed == 1  # once only
+
+
 def test_a_burst_of_5000_is_claimed_and_marked_sent_in_a_few_statements(make_store):
     store = make_store()
     burst = [occ(f"s{i % 250:03d}", i // 250) for i in range(5000)]

@@ -20,6 +20,7 @@ from celery import Celery
 from celery.app.trace import build_tracer
 
 import procs
+from known_schedules import known_schedule
 from celery_cluster_beat import signals
 from celery_cluster_beat.schedules.instants import utc_iso
 from celery_cluster_beat.schedules.occurrence import Occurrence
@@ -29,7 +30,7 @@ from celery_cluster_beat.worker import LedgerTask
 from celery_cluster_beat.worker.calls import MARK
 
 UTC = timezone.utc
-AT = datetime(2031, 3, 4, 5, 6, tzinfo=UTC)
+AT = datetime(2021, 3, 4, 5, 6, tzinfo=UTC)  # in the past: the ledger refuses an instant ahead of the database's clock
 
 TASKS = '''
 import redis as _redis
@@ -83,6 +84,7 @@ def test_direct_calls_inside_a_delivered_run_are_plain_calls(tmp_path, redis_url
         o = Occurrence(f"direct-{pool}-{uuid.uuid4().hex[:6]}",
                        datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1))
         assert store.claim([o]) == [o] and store.mark_sent([o]) == 1
+        known_schedule(pg_url, o.schedule, "t.outer")
         producer.send_task("t.outer", (2,), task_id=o.task_id, headers=headers_for(o), queue=app.queue)
 
         def row():
@@ -116,6 +118,7 @@ def inproc(tmp_path):
     url = f"sqlite:///{tmp_path}/ledger.sqlite3"
     app = Celery("direct-inproc", set_as_current=False)
     app.conf.cluster_beat_db_url = url
+    app.conf.beat_schedule = {name: {"task": "t.outer", "schedule": 60} for name in ("inproc", "forged")}
     ran: List[str] = []
 
     @app.task(shared=False, base=LedgerTask, bind=True, name="t.outer")

@@ -15,7 +15,7 @@ from celery_cluster_beat.store import ClaimStore
 from celery_cluster_beat.store.schema import RunState, workers_table
 from celery_cluster_beat.worker import liveness
 
-AT = datetime(2033, 1, 1, tzinfo=timezone.utc)
+AT = datetime(2023, 1, 1, tzinfo=timezone.utc)  # in the past: the ledger refuses an instant ahead of the database's clock
 
 
 @pytest.fixture

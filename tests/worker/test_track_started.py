@@ -20,6 +20,7 @@ from celery import Celery
 from celery.app.task import Context
 
 import procs
+from known_schedules import known_schedule
 from celery_cluster_beat.schedules.instants import utc_iso
 from celery_cluster_beat.schedules.occurrence import Occurrence
 from celery_cluster_beat.store import ClaimStore
@@ -70,6 +71,7 @@ CASES = {
 class Setup:
     def __init__(self, tmp, redis_url: str, db_url: str) -> None:
         self.tmp = tmp
+        self.db_url = db_url
         tasks = TASKS.format(release=str(tmp / "release"))
         self.app = procs.write_app(tmp, broker=redis_url, backend=redis_url, db_url=db_url, schedule="{}",
                                    conf='{"task_track_started": True}', tasks=tasks)
@@ -93,6 +95,7 @@ class Setup:
         return o
 
     def publish(self, task: str, o: Occurrence) -> None:
+        known_schedule(self.db_url, o.schedule, task)
         headers = {"cluster_beat_schedule": o.schedule, "cluster_beat_scheduled_at": utc_iso(o.at),
                    "cluster_beat_node": "beat-under-test", "cluster_beat_catchup": False,
                    "cluster_beat_attempt": 1, "cluster_beat_max_run_time": 600.0}

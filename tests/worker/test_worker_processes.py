@@ -21,6 +21,7 @@ import redis
 from celery import Celery
 
 import procs
+from known_schedules import known_schedule
 from celery_cluster_beat.schedules.instants import utc_iso
 from celery_cluster_beat.schedules.occurrence import Occurrence
 from celery_cluster_beat.store import ClaimStore
@@ -132,6 +133,7 @@ class Setup:
         return o
 
     def publish(self, task: str, o: Occurrence, args=(), max_run_time: float = 600.0, retries: int = 0) -> None:
+        known_schedule(self.db_url, o.schedule, task)
         headers = {"cluster_beat_schedule": o.schedule, "cluster_beat_scheduled_at": utc_iso(o.at),
                    "cluster_beat_node": "beat-under-test", "cluster_beat_catchup": False,
                    "cluster_beat_attempt": 1, "cluster_beat_max_run_time": max_run_time}

@@ -7,11 +7,17 @@ writers queue instead of failing. It also sizes the keyed statements for old
 builds' 999 bind parameters. The statements themselves are the portable ones
 of :class:`.base.Dialect` (ON CONFLICT, RETURNING where the build has it, a
 row-value IN, which SQLite answers with a temporary index).
+
+And the claim file itself: :func:`create_private` makes it 0600 before SQLite opens it
+(SQLite would create it 0644 less the umask, and it holds schedules' arguments and operators'
+names); SQLite then gives the ``-wal`` and ``-shm`` files the database file's own mode, exactly
+(it chmods them, whatever the umask), so they are 0600 too. A file that exists keeps its mode.
 """
 from __future__ import annotations
 
+import os
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
@@ -21,9 +27,37 @@ from .base import CHUNK, Dialect, unless_in_query
 
 #: Execution option marking a connection whose transaction will write.
 _WRITE = "ccb_write"
+#: Mode of a claim file this package creates: the owner's alone.
+FILE_MODE = 0o600
+
+
+def claim_file(url: URL) -> Optional[str]:
+    """The absolute path of *url*'s database file; None in memory and for a ``file:`` URI
+    (``?uri=true``: its own ``mode=`` / ``modeof=`` parameters say how SQLite opens it)."""
+    database = url.database
+    if not database or database == ":memory:" or "uri" in url.query or database.startswith("file:"):
+        return None
+    return os.path.abspath(database)
+
+
+def create_private(path: str) -> None:
+    """Create *path* empty with mode 0600 (umask or not) unless it exists. Whatever goes wrong is
+    left to SQLite, which says so when it opens the file (a missing folder, no permission)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
+    except OSError:  # it exists (another replica won the race), or SQLite will say what is wrong
+        return
+    try:
+        os.fchmod(fd, FILE_MODE)  # the umask may have taken bits off; an empty file is a valid database
+    finally:
+        os.close(fd)
 
 
 class SQLiteDialect(Dialect):
+    #: The store is read-only (set by the engine): the file's journal mode is left as it is, since
+    #: switching it writes the file.
+    read_only = False
+
     def insert_names(self, conn: Connection, table: sa.Table, names: Sequence[str], now: datetime) -> None:
         # The sqlite3 module's executemany, in C, with the one instant converted once: 20,000
         # names in a few milliseconds instead of a quarter of a second of bind processing.
@@ -57,7 +91,8 @@ class SQLiteDialect(Dialect):
                 cur.execute(f"PRAGMA busy_timeout = {max(1, int(busy * 1000))}")
                 # Several local beat processes share the file: WAL lets
                 # readers run beside the single writer.
-                cur.execute("PRAGMA journal_mode = WAL")
+                if not self.read_only:
+                    cur.execute("PRAGMA journal_mode = WAL")
             finally:
                 cur.close()
 

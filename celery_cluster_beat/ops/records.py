@@ -1,0 +1,196 @@
+"""The records operators' reports return: frozen, JSON-safe through ``as_dict()``, never a secret.
+
+Apart from the reads that build them (:mod:`.report`, :mod:`.schedulepage`) so both can use
+them without importing each other; :mod:`.report` re-exports every one of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Dict, Optional, Tuple
+
+from ..store import ClaimRow
+
+__all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "UnsentOccurrence", "ScheduleInfo", "Counters", "HistoryRow",
+           "MANUAL"]
+
+#: The reason a claim row of an operator's run-now carries.
+MANUAL = "manual"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+class _AsDict:
+    def as_dict(self) -> Dict[str, Any]:
+        """JSON-safe: times as ISO 8601 strings, nested records as dicts."""
+        return _plain(self)
+
+
+@dataclass(frozen=True)
+class LeaseInfo(_AsDict):
+    """The leader lease as Redis holds it right now."""
+
+    enabled: bool  #: a Redis lease is configured (else every replica schedules and races on claims)
+    redis_url: Optional[str]  #: masked
+    key: Optional[str]  #: the lease's Redis key
+    holder: Optional[str]  #: node id of the leader, None when nobody holds the lease
+    term: Optional[int]  #: the holder's fencing term
+    expires_in: Optional[float]  #: seconds until the key expires unless renewed
+    expires_at: Optional[datetime]  #: the same, on the database's clock
+    error: Optional[str] = None  #: why Redis could not be read
+
+
+@dataclass(frozen=True)
+class NodeInfo(_AsDict):
+    """A beat node the claim store heard from recently."""
+
+    node: str
+    state: str  #: ``leader``, ``up`` (heartbeat within the claim grace) or ``gone``
+    scheduling: bool  #: it said so in its last heartbeat
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age: float  #: seconds, by the database's clock
+    clock_offset: Optional[float]  #: seconds: database clock minus the node's
+
+
+@dataclass(frozen=True)
+class UnsentOccurrence(_AsDict):
+    """An occurrence claimed longer than the claim grace ago and still not sent."""
+
+    schedule: str
+    scheduled_at: datetime
+    claimed_at: datetime
+    node: str
+    attempts: int
+    reason: Optional[str]
+    age: float  #: seconds since it was claimed
+
+
+@dataclass(frozen=True)
+class ClusterStatus(_AsDict):
+    """``status``: who leads, who runs, where the store is, and what is late right now."""
+
+    cluster_name: str
+    now: datetime  #: the database's clock
+    db_url: str  #: masked
+    schema_version: Optional[int]  #: recorded in the store
+    code_schema_version: int  #: this release's
+    leader: Optional[str]  #: the lease holder; without a lease, the node that last raised the term
+    term: Optional[int]  #: the lease holder's term; without a lease, the store's
+    store_term: int  #: the highest term the store recorded
+    lease: LeaseInfo
+    nodes: Tuple[NodeInfo, ...]
+    schedules: int  #: config + stored
+    config_schedules: int
+    stored_schedules: int
+    paused: Tuple[str, ...]
+    claim_grace: float
+    #: Claimed more than ``claim_grace`` ago and not sent. Occurrences due but never claimed
+    #: (no leader running) leave no row, so they cannot be counted here.
+    unsent: int
+    unsent_shown: Tuple[UnsentOccurrence, ...]
+    #: How many are paused (``paused`` names only the first ones when the caller limited it).
+    paused_count: int = 0
+
+
+@dataclass(frozen=True)
+class Counters(_AsDict):
+    """A schedule's occurrences by outcome since it was first recorded, as the claim store keeps
+    them (per schedule, so they outlive pruned claim rows): what ``list`` shows as
+    ``SENT/SKIP/MISS/FAIL``."""
+
+    sent: int = 0
+    skipped: int = 0
+    missed: int = 0
+    failed: int = 0
+    claim_lost: int = 0
+    resent: int = 0
+
+
+@dataclass(frozen=True)
+class ScheduleInfo(_AsDict):
+    """``list``: one schedule, config or stored."""
+
+    name: str
+    task: str
+    source: str  #: ``config`` (beat_schedule or Celery's default entries) or ``stored``
+    schedule: str  #: cron fields, ``every <n>s [from HH:MM]``, or the rule's repr
+    zone: Optional[str]  #: the zone the rule is read in (None: an interval on the UTC grid)
+    enabled: bool
+    paused: bool
+    paused_at: Optional[datetime]
+    paused_by: Optional[str]
+    run_requested_at: Optional[datetime]  #: a run-now request still pending
+    next_fire: Optional[datetime]  #: computed (None when disabled, paused or invalid); jitter not included
+    last_occurrence: Optional[datetime]
+    last_status: Optional[str]  #: the last occurrence's claim status (sent, skipped, missed, failed, claimed)
+    last_run_state: Optional[str]  #: its run, when the task uses the ledger (running, succeeded, failed, retried)
+    last_reason: Optional[str]
+    last_sent_at: Optional[datetime]
+    last_error: Optional[str]
+    last_error_at: Optional[datetime]
+    counters: Counters
+    owner: Optional[str] = None
+    description: str = ""
+    problem: Optional[str] = None  #: a stored row that no longer validates
+
+    @property
+    def outcome(self) -> Optional[str]:
+        """The last occurrence in one word or two: its run state if known, else its claim status."""
+        if self.last_status is None:
+            return None
+        if self.last_run_state:
+            return self.last_run_state
+        if self.last_status in ("skipped", "failed") and self.last_reason:
+            return f"{self.last_status} ({self.last_reason.split(':', 1)[0][:40]})"
+        return self.last_status
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = _plain(self)
+        out["outcome"] = self.outcome
+        return out
+
+
+@dataclass(frozen=True)
+class HistoryRow(_AsDict):
+    """``history``: one occurrence, from its claim row and the worker's ledger."""
+
+    schedule: str
+    scheduled_at: datetime
+    status: str
+    manual: bool  #: an operator's run-now
+    reason: Optional[str]
+    node: str  #: the beat node that claimed it
+    term: Optional[int]
+    task_id: str
+    claimed_at: datetime
+    sent_at: Optional[datetime]
+    attempts: int
+    run_state: Optional[str]
+    worker: Optional[str]
+    started_at: Optional[datetime]
+    finished_at: Optional[datetime]
+    runtime: Optional[float]
+    error: Optional[str]  #: the run's error, or why the occurrence was not sent
+    duplicates: Optional[int]
+
+    @classmethod
+    def from_claim(cls, row: ClaimRow) -> "HistoryRow":
+        error = row.run_error or (row.reason if row.status == "failed" else None)
+        worker = f"{row.worker}:{row.worker_pid}" if row.worker and row.worker_pid else row.worker
+        return cls(schedule=row.schedule, scheduled_at=row.scheduled_at, status=row.status,
+                   manual=(row.reason or "").startswith(MANUAL), reason=row.reason, node=row.node, term=row.term,
+                   task_id=row.task_id, claimed_at=row.claimed_at, sent_at=row.sent_at, attempts=row.attempts,
+                   run_state=row.run_state, worker=worker, started_at=row.started_at, finished_at=row.finished_at,
+                   runtime=row.runtime, error=error, duplicates=row.duplicates)

@@ -17,7 +17,6 @@ import uuid
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Dict, Iterator, List, Optional
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -33,15 +32,11 @@ from celery_cluster_beat.schedules.occurrence import Occurrence
 from celery_cluster_beat.store import ClaimStore
 
 UTC = timezone.utc
-BROKER_DB = 7  # a Redis database of these tests' own; every app also has its own queue
 PASSWORD = "Pw-s3cret-4711"  # PostgreSQL trusts local connections: the password is carried, never checked
 #: Text that only SQL, its parameters or SQLAlchemy's statement dump would put in a log line.
 SQL_TEXT = ("[SQL", "[parameters", "INSERT", "SELECT", "UPDATE ", "DELETE ", "cluster_beat_claims.")
 
 
-@pytest.fixture
-def broker(redis_url) -> str:
-    return urlunsplit(urlsplit(redis_url)._replace(path=f"/{BROKER_DB}"))
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Callable, List
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -26,36 +25,14 @@ from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.dynamic import StoredSchedules
 
 UTC = timezone.utc
-BROKER_DB = 7
 HORIZON = 4.0
 N = 2000
 
 
-@pytest.fixture
-def broker(redis_url) -> str:
-    return urlunsplit(urlsplit(redis_url)._replace(path=f"/{BROKER_DB}"))
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path}/claims.sqlite3"
-        return
-    yield request.getfixturevalue("pg_url")
 
 
-@pytest.fixture
-def made():
-    things: List = []
-    yield things
-    for thing in reversed(things):
-        if isinstance(thing, Celery):
-            client = redis.Redis.from_url(thing.conf.broker_url)
-            client.delete(thing.conf.task_default_queue)
-            client.close()
-            thing.close()
-        else:
-            thing.close()
 
 
 def _far():

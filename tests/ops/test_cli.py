@@ -1,6 +1,8 @@
-"""``celery -A app cluster-beat ...`` run as operators run it: a real subprocess of Celery's CLI,
-against real PostgreSQL and Redis, with real ``celery beat`` replicas (and a real worker for
-``history``) where the behaviour involves beat.
+"""``celery -A app cluster-beat ...`` run as operators run it: Celery's own command line, against
+real PostgreSQL and Redis, with real ``celery beat`` replicas (and a real worker for ``history``)
+where the behaviour involves beat. Most calls run the command line in the test's process
+(:func:`cli`); a real subprocess (:func:`cli_process`) where what the shell sees is the point
+(help, one line per problem and no traceback).
 
 What the leader did is read where it matters: messages on the broker (the shared
 :class:`~cluster.Watcher`) and claim rows. Waits are on conditions with generous bounds;
@@ -31,9 +33,34 @@ APPLIED_WITHIN = 1.0 + 1.5
 COMMANDS = ("status", "list", "history", "run-now", "pause", "resume", "prune", "check")
 
 
-def cli(app: App, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def cli_process(app: App, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """``celery -A <app> cluster-beat ARGS`` as a real subprocess: what an operator's shell sees,
+    logging and tracebacks included."""
     return subprocess.run([sys.executable, "-m", "celery", "-A", app.module, "cluster-beat", *args],
                           cwd=app.directory, env=app.env(), capture_output=True, text=True, timeout=timeout)
+
+
+def cli(app: App, *args: str) -> subprocess.CompletedProcess:
+    """The same command through Celery's own command line (its click group, our plugin found
+    through the ``celery.commands`` entry point), run in this process: the same parsing, output
+    and exit codes without a Python start-up per call (a second of CPU on a loaded machine, and
+    the suite makes dozens). An exception that escapes the command (a traceback, in a real
+    run) fails the test here; :func:`cli_process` covers what only a real process shows."""
+    from celery.bin.celery import celery as celery_main
+    from click.testing import CliRunner
+
+    sys.path.insert(0, str(app.directory))
+    try:
+        try:
+            runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes stderr into stdout by default
+        except TypeError:
+            runner = CliRunner()  # click >= 8.2 keeps them apart and has no such argument
+        result = runner.invoke(celery_main, ["-A", app.module, "cluster-beat", *args])
+    finally:
+        sys.path.remove(str(app.directory))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"cluster-beat {' '.join(args)} raised {result.exception!r}") from result.exception
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
 def cli_json(app: App, *args: str):
@@ -87,7 +114,7 @@ def test_it_is_a_subcommand_of_celery_beside_beat_and_worker(tmp_path):
     top = subprocess.run([sys.executable, "-m", "celery", "-A", app.module, "--help"], cwd=app.directory,
                          env=app.env(), capture_output=True, text=True, timeout=60)
     assert top.returncode == 0 and "cluster-beat" in top.stdout and "beat" in top.stdout
-    r = cli(app, "--help")
+    r = cli_process(app, "--help")
     assert r.returncode == 0, r.stderr
     for command in COMMANDS:
         assert f"  {command}" in r.stdout, r.stdout
@@ -219,7 +246,9 @@ def test_run_now_pressed_twice_at_once_gives_one_manual_run(tmp_path, redis_url,
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_url, conf=TTL_GRACE,
                     schedule="{'tick': {'task': 't.record', 'schedule': every(1)},"
                              " 'yearly': {'task': 't.record', 'schedule': cron('0 0 1 1 *')}}")
-    ok = cli(app, "check")  # also creates the tables, so the two presses below race on the request only
+    with ClaimStore(pg_url, node_id="test-setup"):  # the tables, so the two presses below race on the request only
+        pass
+    ok = cli(app, "check")  # a read: it needs them (it never creates them)
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     assert [line.split()[:2] for line in ok.stdout.splitlines()] == [
         ["ok", "versions:"], ["ok", "settings:"], ["ok", "beat_schedule:"], ["ok", "claim"], ["ok", "redis:"],
@@ -361,7 +390,7 @@ def test_check_gives_one_line_per_problem_and_exit_1(tmp_path, redis_url):
     app = write_app(tmp_path, broker=redis_url, db_url=dead_db, redis_url=dead_redis,
                     schedule="{'bad': {'task': 't.record', 'schedule': '61 * * * *'},"
                              " 'fine': {'task': 't.record', 'schedule': every(5)}}")
-    r = cli(app, "check")
+    r = cli_process(app, "check")
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr
     problems = r.stderr.strip().splitlines()
     assert [p.split()[1] for p in problems] == ["beat_schedule:", "claim", "redis:"], problems
@@ -380,12 +409,16 @@ def test_check_gives_one_line_per_problem_and_exit_1(tmp_path, redis_url):
 def test_bad_input_is_one_line_and_exit_1(tmp_path, redis_url, pg_url):
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=redis_url,
                     schedule="{'tick': {'task': 't.record', 'schedule': every(60)}}")
-    for command in ("history", "pause", "resume", "run-now"):
+    with ClaimStore(pg_url, node_id="test-setup"):  # the tables: no cluster-beat command creates them
+        pass
+    assert_one_line_error(cli_process(app, "pause", "no-such"), "no schedule is named 'no-such'")
+    for command in ("history", "resume", "run-now"):
         assert_one_line_error(cli(app, command, "no-such"), "no schedule is named 'no-such'")
     assert_one_line_error(cli(app, "history", "tick", "--limit", "0"), "limit")
     assert cli_json(app, "history", "tick") == []
     dead = write_app(tmp_path, broker=redis_url, redis_url=redis_url, schedule="{}",
                      db_url=f"postgresql+psycopg://postgres:s3cret@127.0.0.1:{_free_port()}/nowhere")
-    for command in (["status"], ["list"], ["history", "tick"], ["pause", "tick"], ["prune"]):
-        line = assert_one_line_error(cli(dead, *command), "claim store", "Connection refused")
+    for run, command in ((cli_process, ["status"]), (cli, ["list"]), (cli, ["history", "tick"]),
+                         (cli, ["pause", "tick"]), (cli, ["prune"])):
+        line = assert_one_line_error(run(dead, *command), "claim store", "Connection refused")
         assert "s3cret" not in line

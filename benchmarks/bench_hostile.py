@@ -521,11 +521,15 @@ def broker_check(app: "procs.App", db_url: str, stored: Stored, since: datetime,
         if name in refused:
             per.setdefault(name, []).append(row)
     out.refused_due = len(per)
+    def ended(r: Any) -> bool:  # failed with the reason, or missed by the catch-up policy of a late pass
+        return (r.status == "failed" and bool(r.reason) and "options" in r.reason) or \
+            (r.status == "missed" and r.reason == "catchup")
+
     for name, rs in sorted(per.items()):
-        if all(r.status == "failed" and r.reason and "options" in r.reason for r in rs):
+        if all(ended(r) for r in rs) and any(r.status == "failed" for r in rs):
             out.refused_failed += 1
         else:
-            bad = next(r for r in rs if not (r.status == "failed" and r.reason and "options" in r.reason))
+            bad = next((r for r in rs if not ended(r)), rs[0])
             out.refused_problems.append(f"{name}: {bad.status} {(bad.reason or '')[:120]!r}")
     return out
 

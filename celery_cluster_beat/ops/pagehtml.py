@@ -19,6 +19,8 @@ __all__ = ["render_page", "render_error", "PAGE_REFRESH"]
 
 #: The status page reloads itself this often (seconds).
 PAGE_REFRESH = 5
+#: Longest text one cell shows (the rest is counted, not shown: the CLI's ``--json`` has it whole).
+MAX_SHOWN = 500
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
@@ -40,7 +42,10 @@ def _text(value: Any) -> str:
         value = value.isoformat()
     elif isinstance(value, float):
         value = f"{value:.3f}".rstrip("0").rstrip(".") if round(value, 3) else "0"
-    return html.escape(str(value))
+    text = str(value)
+    if len(text) > MAX_SHOWN:  # a description of a megabyte would make every page of it megabytes
+        text = f"{text[:MAX_SHOWN]}… ({len(text):,} characters)"
+    return html.escape(text)
 
 
 def _cell(value: Any) -> str:

@@ -576,14 +576,21 @@ def test_idle_ticks_issue_no_sql_and_always_sleep_a_positive_time(tmp_path):
     try:
         assert len(sched.entries) == 1000
         sa.event.listen(sa.engine.Engine, "before_cursor_execute", count)
+        started = time.monotonic()
         try:
             sleeps = [sched.tick() for _ in range(200)]
         finally:
             sa.event.remove(sa.engine.Engine, "before_cursor_execute", count)
+        took = time.monotonic() - started
     finally:
         sched.close()
         app.close()
-    assert statements == []
+    # Without a lease's Redis, the stored-schedule change counter is read once a second (one
+    # SELECT in its own transaction): on a loaded machine the 200 ticks may span such a read.
+    # Nothing else: no claim, no schedule read.
+    counter = [st for st in statements if "cluster_beat_schedule_version" in st]
+    rest = [st for st in statements if st not in counter and st.strip().upper() not in ("BEGIN", "COMMIT", "ROLLBACK")]
+    assert rest == [] and len(counter) <= took + 1, (statements, took)
     assert all(0 < s <= sched.max_interval for s in sleeps), sorted(sleeps)[:5]
     # the counter does see the store's statements (the listener works)
     store = ClaimStore(f"sqlite:///{tmp_path}/claims.sqlite3", node_id="reader")

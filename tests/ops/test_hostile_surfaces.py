@@ -5,7 +5,7 @@ enough for the suite: one real ``celery beat`` (PostgreSQL claims, the Redis lea
 the HTTP server on) with an every-second config entry ``tick`` and 5,000 stored schedules, 4 %
 of them hostile and written past the API's checks: names with terminal escapes, a newline, bidi
 and zero-width characters; descriptions of 30,000 ``:``, escapes and markup, two of 1 MB (beat
-refuses to schedule those and the names with control characters); options that would change which
+cuts those when it reads them, and refuses names with control characters); options that would change which
 task runs, its id, its serializer or its callbacks, on rows firing every 3 s. For 15 s three client
 processes load the page (with hostile filters), ``/metrics`` and ``/healthz`` as fast as they are
 answered, a probe loads ``/healthz`` every 0.25 s, and the CLI reads (``list``, ``status``,

@@ -319,7 +319,7 @@ def _healthz(port: int, timeout: float = 5.0) -> Optional[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_real_beat_survives_2000_idle_connections_and_their_reset(tmp_path, redis_url, pg_url):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < IDLE + 200:
@@ -351,7 +351,9 @@ def test_real_beat_survives_2000_idle_connections_and_their_reset(tmp_path, redi
         worst = 0.0
         while opener.is_alive() or worst == 0.0:  # probe while the flood goes on, and once after
             t0 = time.monotonic()
-            assert _healthz(port, timeout=10) == 200, proc.log()[-3000:]
+            # Room for a loaded 2-core machine: the probe's connection may queue in the listen
+            # backlog behind hundreds of the flood's while a starved selector thread accepts them.
+            assert _healthz(port, timeout=30) == 200, proc.log()[-3000:]
             worst = max(worst, time.monotonic() - t0)
             assert _fds(proc.pid) <= baseline + CAP + MARGIN, (_fds(proc.pid), baseline)
             assert _served(proc.pid, port) <= CAP + 1  # the probe's own may come on top

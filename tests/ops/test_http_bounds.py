@@ -360,7 +360,7 @@ def test_real_beat_survives_2000_idle_connections_and_their_reset(tmp_path, redi
             time.sleep(0.2)
         opener.join()
         assert len(socks) > CAP * 2, len(socks)
-        assert worst < 5.0, worst
+        assert worst < 20.0, worst  # seconds, not the minutes a stuck server would take (loaded machine: room)
         # every client goes away at once, with a reset (SO_LINGER 0)
         for s in socks:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

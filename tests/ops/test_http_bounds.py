@@ -351,16 +351,23 @@ def test_real_beat_survives_2000_idle_connections_and_their_reset(tmp_path, redi
         worst = 0.0
         while opener.is_alive() or worst == 0.0:  # probe while the flood goes on, and once after
             t0 = time.monotonic()
-            # Room for a loaded 2-core machine: the probe's connection may queue in the listen
-            # backlog behind hundreds of the flood's while a starved selector thread accepts them.
-            assert _healthz(port, timeout=30) == 200, proc.log()[-3000:]
+            # As Kubernetes probes (failureThreshold 3): one probe may lose its connection to the
+            # flood (on a loaded machine the flooding thread can hold this process's GIL between
+            # the probe's connect and its request, and the flood evicts it meanwhile); three in a
+            # row may not.
+            answers = []
+            for _ in range(3):
+                answers.append(_healthz(port, timeout=10))
+                if answers[-1] == 200:
+                    break
+            assert answers[-1] == 200, (answers, proc.log()[-3000:])
             worst = max(worst, time.monotonic() - t0)
             assert _fds(proc.pid) <= baseline + CAP + MARGIN, (_fds(proc.pid), baseline)
             assert _served(proc.pid, port) <= CAP + 1  # the probe's own may come on top
             time.sleep(0.2)
         opener.join()
         assert len(socks) > CAP * 2, len(socks)
-        assert worst < 20.0, worst  # seconds, not the minutes a stuck server would take (loaded machine: room)
+        assert worst < 30.0, worst  # seconds, not the minutes a stuck server would take (loaded machine: room)
         # every client goes away at once, with a reset (SO_LINGER 0)
         for s in socks:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -48,15 +48,23 @@ def unprintable(text: str) -> list:
     return [c for c in text if c != "\n" and unicodedata.category(c) in ("Cc", "Cf", "Cs", "Zl", "Zp")]
 
 
+def prepared(db_url: str):
+    """Prepare the claim database as beat would (tables, schema version) and return its time to the
+    second, for rows written past the API afterwards."""
+    store = ClaimStore(db_url, node_id="beat-1")
+    store.open()
+    try:
+        return store.db_now().replace(microsecond=0)
+    finally:
+        store.close()
+
+
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     """A claim database whose rows hold everything above; the app that reads it."""
     path = tmp_path_factory.mktemp("escaping") / "claims.sqlite3"
     db_url = f"sqlite:///{path}"
-    store = ClaimStore(db_url, node_id="beat-1")
-    store.open()
-    now = store.db_now().replace(microsecond=0)
-    store.close()
+    now = prepared(db_url)
     engine = sa.create_engine(db_url)
     with engine.begin() as conn:
         conn.execute(sa.insert(stored_schedules_table).values(

@@ -17,9 +17,8 @@ from celery import Celery
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_cluster_beat.store import ClaimStore
 from celery_cluster_beat.store.schema import claims_table, stored_schedules_table
-from test_cli_escaping import invoke, unprintable
+from test_cli_escaping import invoke, prepared, unprintable
 
 #: Text a row can hold: any character but NUL and lone surrogates, up to the name column's length.
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=60)
@@ -32,10 +31,7 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
 def test_any_stored_text_is_one_line_per_schedule_with_nothing_a_terminal_acts_on(
         tmp_path_factory, names, description, owner, reason):
     db_url = f"sqlite:///{tmp_path_factory.mktemp('prop')}/claims.sqlite3"
-    store = ClaimStore(db_url, node_id="beat-1")
-    store.open()
-    now = store.db_now().replace(microsecond=0)
-    store.close()
+    now = prepared(db_url)
     engine = sa.create_engine(db_url)
     with engine.begin() as conn:
         for name in names:
@@ -54,7 +50,7 @@ def test_any_stored_text_is_one_line_per_schedule_with_nothing_a_terminal_acts_o
     assert unprintable(listed.stdout) == [], listed.stdout
     assert len(listed.stdout.strip().splitlines()) == len(names) + 1 + 2, listed.stdout  # header, rows, note
     for name in names:
-        shown = invoke(app, "history", name)
+        shown = invoke(app, "history", "--", name)  # "--": a name may start with "-", as on any command line
         assert shown.exit_code == 0, shown.output
         assert unprintable(shown.stdout + shown.stderr) == [], shown.stdout
         assert len(shown.stdout.strip().splitlines()) == 2, shown.stdout  # header and the one failed row

@@ -128,7 +128,8 @@ class Bringup:
 
             # (the cluster check, refusing two claim stores behind one lease, follows in step())
             node.lease = RedisLease(s.redis.client, name=s.cluster_name, node_id=s.node_id, ttl=s.lock_ttl,
-                                    on_event=self.leadership.on_lease_event, cluster_id=node.store.cluster_id)
+                                    on_event=self.leadership.on_lease_event, cluster_id=node.store.cluster_id,
+                                    redis_url=s.redis_url)
             from ..leader.notices import ChangeNotices
 
             node.notices = ChangeNotices(s.redis.client, s.cluster_name)

@@ -74,6 +74,8 @@ logger = logging.getLogger("celery_cluster_beat.guard")
 FINISHED = frozenset(celery_states.READY_STATES) | {celery_states.IGNORED}
 #: How often a buffered occurrence re-reads its predecessor's state (seconds).
 BUFFER_POLL = 0.25
+#: The start-up warning names at most this many unguarded entries (then says how many more).
+UNGUARDED_NAMED = 50
 
 
 
@@ -237,15 +239,23 @@ class OverlapGuard:
     def warn_about_configuration(self, entries: Iterable[Entry]) -> None:
         """Say clearly when a guard policy cannot see what it needs to."""
         entries = list(entries)
+        # Left unguarded by the default (README: Overlapping runs): no policy of its own, none set
+        # globally, and the default could not observe its runs (no result backend, or the task
+        # ignores its results). Said once, naming them, also when the default is allow for all.
         unguarded = sorted(e.name for e in entries if not e.overlap and not self.settings.overlap_explicit
-                           and self.settings.overlap != OverlapPolicy.ALLOW
                            and self.policy(e) == OverlapPolicy.ALLOW)
         if unguarded:
-            names = ", ".join(unguarded[:5]) + (" ..." if len(unguarded) > 5 else "")
+            shown = unguarded[:UNGUARDED_NAMED]
+            names = ", ".join(shown) + (f" and {len(unguarded) - len(shown)} more" if len(unguarded) > len(shown)
+                                        else "")
+            why = ("the task ignores its results, so the result backend cannot say when a run ends"
+                   if self.settings.overlap != OverlapPolicy.ALLOW else
+                   "the app has no result backend, so nothing says when a run ends")
             logger.warning(
-                "cluster-beat: overlap guard off for %s: the task ignores its results, so the result backend "
-                "cannot say when a run ends and runs may overlap. Use base=celery_cluster_beat.LedgerTask for "
-                "the task to guard it, or set overlap='allow' on the entry to silence this.", names)
+                "cluster-beat: overlap guard off for %s: %s and runs may overlap. Use "
+                "base=celery_cluster_beat.LedgerTask for the task to guard it%s, or set overlap='allow' on the "
+                "entry (or cluster_beat_overlap='allow') to silence this.", names, why,
+                "" if self.settings.overlap != OverlapPolicy.ALLOW else " (or configure result_backend)")
         guarded = sorted(e.name for e in entries if self.policy(e) != OverlapPolicy.ALLOW and not self.uses_ledger(e))
         if not guarded:
             return

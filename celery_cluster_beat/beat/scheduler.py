@@ -30,6 +30,7 @@ from celery import beat
 from ..config import Entry, Settings, build_entries, default_entries, load_settings
 from ..config.celeryconf import has_result_backend
 from ..config.options import trusted_option_warnings
+from ..config.settings import unknown_settings
 from ..errors import ConfigError
 from ..leader.urls import mask_url
 from ..store import StaleTermError, StoreUnavailable
@@ -50,6 +51,12 @@ __all__ = ["Scheduler", "STANDBY_POLL", "PRUNE_BUDGET", "HORIZON", "CHANGE_READ_
            "PREPARE_MARGIN", "PREPARE_EVERY", "CHANGE_BATCH"]
 
 logger = logging.getLogger("celery_cluster_beat")
+
+
+def counted(n: object, one: str, many: Optional[str] = None) -> str:
+    """``1 entry``, ``2 entries``, ``0 stored schedules``: *n* (a number, or ``?`` when unknown)
+    with the noun that agrees with it."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 class Scheduler(beat.Scheduler):
@@ -86,6 +93,9 @@ class Scheduler(beat.Scheduler):
             startup.refuse(ConfigError(problems), self._host, logger)
         for line in trusted_option_warnings(self.entries.values()):  # trusted, but said once (config/options.py)
             logger.warning("cluster-beat: %s", line)
+        ignored = unknown_settings(app.conf)  # a misspelt setting would leave its default in force unsaid
+        if ignored:
+            logger.warning("cluster-beat: %s", "; ".join(ignored))
         self._clock = NodeClock(self.settings.node_id)
         self._report = Reporter(self)
         #: What every room shares (the queue, the entries, the store, the lease, the back-off).
@@ -186,12 +196,13 @@ class Scheduler(beat.Scheduler):
     def _setup_done(self) -> None:
         s, node = self.settings, self._node
         try:
-            stored = str(node.store.stored_count())
+            stored: object = node.store.stored_count()
         except StoreUnavailable:  # gone again already: the loop's back-off deals with it
             stored = "?"
         logger.info(
-            "cluster-beat: node %s, %d entries, %s stored schedule(s), claims in %s, lease %s",
-            s.node_id, len(self.entries), stored, mask_url(s.db_url),
+            "cluster-beat: node %s, %s, %s, claims in %s, lease %s",
+            s.node_id, counted(len(self.entries), "entry", "entries"), counted(stored, "stored schedule"),
+            mask_url(s.db_url),
             f"{mask_url(s.redis_url)} (ttl {s.lock_ttl:g}s)" if s.redis_url else "off (replicas race on claims)",
         )
         if self._ops is not None:
@@ -359,6 +370,10 @@ class Scheduler(beat.Scheduler):
         if node.notices is not None:
             node.notices.close()
         if node.store is not None:
+            try:  # operators read "stopped" (a deploy), not "gone" (a crash); claims are judged as ever
+                node.store.node_stopped()
+            except Exception as exc:  # never let shutdown fail
+                logger.warning("cluster-beat: cannot record this node's clean stop: %r", exc)
             node.store.close()
         if self._ops is not None:  # last: its shutdown must not delay the handover
             self._ops.stop()

@@ -6,6 +6,7 @@ restart.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import socket
 from dataclasses import dataclass, fields
@@ -34,6 +35,10 @@ DERIVED_DB_SUFFIX = "-cluster.sqlite3"
 MAX_CLUSTER_NAME_LENGTH = 200
 #: Most stored schedules with metrics series of their own: each costs about 2 KB of every scrape.
 MAX_METRICS_STORED = 10_000
+
+
+#: Fields never printed (tokens).
+_SECRETS = ("http_token", "http_actions_token")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Settings:
     http_page: bool = True
     #: Bearer token the page and /metrics require (None: none); never printed.
     http_token: Optional[str] = None
+    #: Token that turns the dashboard's actions on (run now, pause, resume; None: read-only); never printed.
+    http_actions_token: Optional[str] = None
     #: Seconds any one claim-database call may take, connecting included (beat, worker ledger, API, CLI).
     db_timeout: float = 15.0
     #: Options a stored schedule may set beyond the default allow-list (config/options.py).
@@ -77,10 +84,69 @@ class Settings:
 
     def __repr__(self) -> str:  # URLs may carry passwords: never print them
         shown = ", ".join(
-            f"{f.name}={mask_url(v) if f.name.endswith('_url') and v else MASK if f.name == 'http_token' and v else v!r}"
+            f"{f.name}={mask_url(v) if f.name.endswith('_url') and v else MASK if f.name in _SECRETS and v else v!r}"
             for f in fields(self) for v in (getattr(self, f.name),)
         )
         return f"Settings({shown})"
+
+
+#: Fields of :class:`Settings` that are not settings of their own (derived from one that is).
+DERIVED_FIELDS = frozenset({"redis", "overlap_explicit"})
+#: Settings read outside :func:`load_settings` (the worker's ledger reads its grace itself).
+OTHER_SETTINGS = frozenset({"cluster_beat_worker_grace"})
+#: What every setting of this package starts with.
+PREFIX = "cluster_beat_"
+
+
+def known_settings() -> FrozenSet[str]:
+    """Every ``cluster_beat_*`` setting this release reads: one per field of :class:`Settings` (so a
+    setting added there is known here without another list to keep), plus :data:`OTHER_SETTINGS`."""
+    return frozenset(PREFIX + f.name for f in fields(Settings) if f.name not in DERIVED_FIELDS) | OTHER_SETTINGS
+
+
+def unknown_settings(conf: Any) -> List[str]:
+    """One sentence per key of Celery's *conf* that looks like a setting of ours but is not read:
+    a misspelt name (``cluster_beat_lock_tll``), an upper-case one Celery does not map
+    (``CLUSTER_BEAT_LOCK_TTL`` without a namespace), each with the closest known name.
+
+    A misspelt setting is silently ignored otherwise, and its default runs in its place. Keys
+    with the app's namespace (``config_from_object(..., namespace="CELERY")``: ``CELERY_CLUSTER_BEAT_*``)
+    are compared in that form, as Celery reads them. Names close to ours without our prefix
+    (``clusterbeat_lock_ttl``) count too; other keys of the app's own are left alone."""
+    known = known_settings()
+    try:
+        keys = [k for k in conf.keys() if isinstance(k, str)]
+    except Exception:  # not Celery's Settings (a plain mapping without keys()): nothing to compare
+        return []
+    prefix = getattr(conf, "prefix", None) or ""  # known once the conf is read (keys() above)
+
+    def as_read(name: str) -> str:  # a known name as this conf spells it (Celery's match_case)
+        if not prefix:
+            return name
+        return (prefix + name).upper() if prefix.isupper() else (prefix + name).lower()
+
+    readable = known | {as_read(n) for n in known}
+    out = []
+    names = sorted(known)
+    for key in sorted(set(keys) - readable):
+        namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
+        low = (key[len(prefix):] if namespaced else key).lower()
+        if not low.startswith(PREFIX) and not difflib.get_close_matches(low, names, n=1, cutoff=0.85):
+            continue  # a setting of Celery's or of the app's own
+        if low.startswith(PREFIX):  # compared without the prefix, which every name shares
+            tails = {n[len(PREFIX):]: n for n in names}
+            close = [tails[t] for t in difflib.get_close_matches(low[len(PREFIX):], sorted(tails), n=1, cutoff=0.6)]
+        else:
+            close = difflib.get_close_matches(low, names, n=1, cutoff=0.6)
+        if not close:
+            out.append(f"setting {key}: not a setting celery-cluster-beat reads, so it is ignored "
+                       "(the README's Settings table lists them)")
+            continue
+        meant = as_read(close[0]) if namespaced else close[0]
+        why = "Celery reads settings in lower case" if low == close[0] and not namespaced else \
+            "not a setting celery-cluster-beat reads"
+        out.append(f"setting {key}: {why}, so it is ignored; did you mean {meant}?")
+    return out
 
 
 def default_db_url(conf: Any, schedule_filename: Any = None) -> str:
@@ -238,6 +304,15 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
                                    or not http_token.isascii() or not http_token.isprintable() or " " in http_token):
         problems.append("setting cluster_beat_http_token: expected a string of at least 16 printable ASCII "
                         "characters without spaces, or None (no token)")  # the value itself is never shown
+    http_actions_token = get("cluster_beat_http_actions_token") or None
+    if http_actions_token is not None and (
+            not isinstance(http_actions_token, str) or len(http_actions_token) < 16 or not http_actions_token.isascii()
+            or not http_actions_token.isprintable() or " " in http_actions_token):
+        problems.append("setting cluster_beat_http_actions_token: expected a string of at least 16 printable ASCII "
+                        "characters without spaces, or None (the dashboard stays read-only)")  # never shown
+    elif http_actions_token is not None and http_actions_token == http_token:
+        problems.append("setting cluster_beat_http_actions_token: must differ from cluster_beat_http_token "
+                        "(whoever may read the page must not be able to act by that alone)")
     try:
         stored_options_allowed = allowed_stored_options(get(STORED_OPTIONS_SETTING))
     except ConfigError as exc:
@@ -280,6 +355,7 @@ def load_settings(conf: Any, *, has_result_backend: Callable[[], bool], app_name
         metrics_stored_max=stored_max,
         http_page=http_page,
         http_token=http_token,
+        http_actions_token=http_actions_token,
         db_timeout=db_timeout,
         stored_options_allowed=stored_options_allowed,
     )

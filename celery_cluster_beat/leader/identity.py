@@ -13,17 +13,32 @@ The acquire script (:mod:`.scripts`) refuses a node whose store's id differs fro
 recorded, and only a node that takes the lease writes the id, so a refused node cannot
 claim the name. At start-up beat asks first (:meth:`RedisLease.check_cluster`), so a
 misconfigured node stops with a message saying what to change (:class:`ForeignClusterError`)
-instead of standing by forever. Nothing here talks to Redis: the lease does, and hands over what it read.
+instead of standing by forever. Nothing here talks to Redis but :func:`adopt`: the lease does, and hands
+over what it read.
+
+**A rebuilt claim store.** A claim database rebuilt from scratch (restored empty, recreated, moved)
+gets a new cluster id, and the key still names the old one for up to 30 days: every beat of the
+cluster refuses to start. The refusal says so, and ``celery -A proj cluster-beat adopt-store``
+(:mod:`celery_cluster_beat.ops.adopt`) moves the key to the current store with :func:`adopt`: one
+script that changes it only while nobody holds the lease (a live holder serves the old store:
+two stores sent from would each resend what the other sent) and only from the id the operator
+was shown (a compare-and-set). A node of the old store that comes back afterwards is refused
+like any node of another store.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Tuple
+import sys
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from .scripts import text as _text
+from .urls import mask_url
 
-__all__ = ["CLUSTER_KEY_TTL", "ClusterIdentity", "ForeignClusterError", "cluster_key"]
+__all__ = ["CLUSTER_KEY_TTL", "ClusterIdentity", "ForeignClusterError", "cluster_key", "adopt", "AdoptStatus",
+           "AdoptReply", "adopt_command"]
 
 logger = logging.getLogger("celery_cluster_beat.lease")
 
@@ -41,6 +56,21 @@ class ForeignClusterError(ConfigError):
     """The lease is used by nodes of another claim store: two histories behind one leader."""
 
 
+def adopt_command(argv: Optional[Sequence[str]] = None) -> str:
+    """``celery -A <app> cluster-beat adopt-store`` with the ``-A`` this process was started with
+    (``celery -A proj beat``: ``proj``), else a placeholder for it."""
+    argv = list(sys.argv if argv is None else argv)
+    app = None
+    for i, arg in enumerate(argv):
+        if arg in ("-A", "--app") and i + 1 < len(argv):
+            app = argv[i + 1]
+        elif arg.startswith("--app="):
+            app = arg[len("--app="):]
+        elif arg.startswith("-A") and len(arg) > 2:
+            app = arg[2:]
+    return f"celery -A {app or '<app>'} cluster-beat adopt-store"
+
+
 class ClusterIdentity:
     """This node's claim store as the lease *name* sees it.
 
@@ -48,11 +78,13 @@ class ClusterIdentity:
         checks nothing and records nothing.
     """
 
-    def __init__(self, *, name: str, node_id: str, cluster_id: Optional[str]) -> None:
+    def __init__(self, *, name: str, node_id: str, cluster_id: Optional[str], redis_url: Optional[str] = None) -> None:
         self.name = name
         self.node_id = node_id
         self.cluster_id = cluster_id
         self.key = cluster_key(name)
+        #: Where the key is (shown masked in the refusal); None: not said.
+        self.redis_url = redis_url
         #: The other cluster's id when the lease belongs to another claim store.
         self.foreign: Optional[str] = None
 
@@ -61,12 +93,13 @@ class ClusterIdentity:
         return self.cluster_id or "", int(CLUSTER_KEY_TTL * 1000)
 
     def message(self, theirs: str) -> str:
+        """One line: the key and where it is, the store it names and ours, and what to do."""
+        where = f" on {mask_url(self.redis_url)}" if self.redis_url else ""
         return (
-            f"node {self.node_id} writes to claim store {self.cluster_id}, but the lease {self.name!r} "
-            f"belongs to the nodes of claim store {theirs}: two claim databases behind one leader would "
-            "each keep a history of their own and resend what the other sent. Point cluster_beat_db_url "
-            "at the same database on every node of the cluster, or give this one its own "
-            f"cluster_beat_cluster_name (Redis key {self.key} names the store in use)."
+            f"the lease {self.name!r} serves claim store {theirs} (Redis key {self.key}{where}), but this "
+            f"node's claim store is {self.cluster_id}. If the claim database was rebuilt, stop the beats "
+            f"still running on the old one and run `{adopt_command()}`; otherwise point cluster_beat_db_url "
+            "at the cluster's database, or give this node a cluster_beat_cluster_name of its own"
         )
 
     def refused(self, theirs: Any) -> None:
@@ -84,3 +117,49 @@ class ClusterIdentity:
         """Raise :class:`ForeignClusterError` when *recorded* (the key's value, None if unset) is not ours."""
         if recorded is not None and _text(recorded) != self.cluster_id:
             raise ForeignClusterError(self.message(_text(recorded)))
+
+
+# KEYS[1] lease key, KEYS[2] cluster id key; ARGV[1] the id the operator was shown ('' for none),
+# ARGV[2] the id to record, ARGV[3] how long the cluster id key lives (ms).
+# {1, previous id} when recorded; {0, holder's lease value, its pttl} while the lease is held
+# (the old store is live); {-1, current id} when the key no longer names ARGV[1].
+ADOPT_SCRIPT = """
+local holder = redis.call('get', KEYS[1])
+if holder then
+    return {0, holder, redis.call('pttl', KEYS[1])}
+end
+local current = redis.call('get', KEYS[2]) or ''
+if current ~= ARGV[1] then
+    return {-1, current}
+end
+redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return {1, current}
+"""
+
+
+class AdoptStatus(IntEnum):
+    """The first element of the adopt script's reply."""
+
+    CHANGED = -1  # the key names another store than the one expected: nothing written
+    HELD = 0  # somebody holds the lease: nothing written
+    DONE = 1  # the key names the new store now
+
+
+@dataclass(frozen=True)
+class AdoptReply:
+    status: AdoptStatus
+    #: DONE: the id replaced ('' for none); CHANGED: the id the key names now; HELD: the lease value.
+    value: str
+    #: HELD: the holder's key's time to live in ms.
+    pttl: int = -1
+
+
+def adopt(client: Any, name: str, *, expected: Optional[str], new: str) -> AdoptReply:
+    """Make the lease *name* serve claim store *new*, atomically: only while nobody holds the lease
+    and while its cluster id key still names *expected* (None: no key). Redis errors raise."""
+    from .scripts import lease_keys
+
+    reply = client.eval(ADOPT_SCRIPT, 2, lease_keys(name)[0], cluster_key(name), expected or "", new,
+                        int(CLUSTER_KEY_TTL * 1000))
+    status = AdoptStatus(int(reply[0]))
+    return AdoptReply(status, _text(reply[1]), int(reply[2]) if len(reply) > 2 else -1)

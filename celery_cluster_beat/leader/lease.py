@@ -72,6 +72,7 @@ class RedisLease:
     :param clock: monotonic clock (seconds).
     :param cluster_id: the id of the claim store this node writes to; the lease
         then refuses nodes of another store (see :meth:`check_cluster`).
+    :param redis_url: where the lease is, named (masked) when this node is refused.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class RedisLease:
         on_event: Optional[Callable[[LeaseEvent, dict], None]] = None,
         clock: Callable[[], float] = time.monotonic,
         cluster_id: Optional[str] = None,
+        redis_url: Optional[str] = None,
     ) -> None:
         problems = []
         if not isinstance(name, str) or not name:
@@ -105,7 +107,7 @@ class RedisLease:
         self.lease_key, self.term_key, self.channel = lease_keys(name)
         self.cluster_key = cluster_key(name)
         self.cluster_id = cluster_id
-        self._identity = ClusterIdentity(name=name, node_id=node_id, cluster_id=cluster_id)
+        self._identity = ClusterIdentity(name=name, node_id=node_id, cluster_id=cluster_id, redis_url=redis_url)
 
         self._lock = threading.RLock()
         self._client: Optional[redis.Redis] = None
@@ -133,6 +135,12 @@ class RedisLease:
         """Term of the current holding; None when we hold nothing."""
         holding = self._holding
         return holding.term if holding is not None else None
+
+    @property
+    def known_term(self) -> int:
+        """The latest term this node knows of (0: none yet): its own holding's, else the holder's it
+        last saw, or a higher one the claim store reported. Never blocks (a standby's metrics read it)."""
+        return self._term_floor.value
 
     @property
     def valid_until(self) -> float:

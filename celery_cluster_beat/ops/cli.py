@@ -23,6 +23,11 @@ Stored text (names, tasks, descriptions, owners, node and host names, reasons an
 printed through :func:`~celery_cluster_beat.config.values.printable`: control and format
 characters come out as escapes (``\\x1b``, ``\\n``, ``\\u202e``), so a row written past the API
 cannot clear the operator's screen or draw a fake row. ``--json`` output is escaped by JSON itself.
+
+The tables themselves are :mod:`.cliviews`'s (loaded by the command that prints one): ``list`` fits
+120 columns (the rule in words with its zone, next fire and last outcome relative to the database's
+clock, the overlap policy) and ``--wide`` prints every column uncut; ``pause NAME --note TEXT`` keeps
+why, and ``list``, ``status`` and ``history`` show who paused, when and why.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import re
 import socket
 import sys
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
@@ -63,9 +68,19 @@ class _ImportOnUse:
 
 
 if TYPE_CHECKING:
+    from . import cliviews as views
     from . import report
 else:
     report = _ImportOnUse(f"{__package__}.report")
+    views = _ImportOnUse(f"{__package__}.cliviews")  # the tables: loaded by a command that prints one
+
+
+def __getattr__(name: str) -> Any:
+    """``render_status``, ``render_list``, ``render_history`` and ``table``, importable from here as
+    before; they live in :mod:`.cliviews`, loaded on first use."""
+    if name in ("render_status", "render_list", "render_history", "table"):
+        return getattr(views, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Exit code of every command but ``check`` on a claim database no beat has prepared yet (nothing to
 #: read or act on: not an error of the command, nor a success a script should read on).
@@ -165,28 +180,6 @@ def _when(value: Optional[datetime]) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _ago(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.1f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago" if seconds < 7200 else \
-        f"{seconds / 3600:.1f}h ago"
-
-
-def _secs(seconds: Optional[float], signed: bool = False) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:+.3f}s" if signed else f"{seconds:.3f}s"
-
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """Plain text columns, left-aligned, two spaces apart; each cell :func:`for_terminal`."""
-    body = [[for_terminal(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in body]
-    return "\n".join(lines)
-
-
 def _json_out(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=False))
 
@@ -232,89 +225,25 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _json_out(st.as_dict())
         return
-    click.echo(render_status(st))
-
-
-def render_status(st: report.ClusterStatus) -> str:
-    lease = st.lease
-    if not lease.enabled:
-        leader = f"no lease (every replica schedules); last term {st.store_term}" + (
-            f" raised by {st.leader}" if st.leader else "")
-        lease_line = "off"
-    elif lease.error:
-        leader = "unknown"
-        lease_line = f"{lease.redis_url}: cannot read the lease: {lease.error}"
-    elif lease.holder is None:
-        leader = "none (nobody holds the lease)"
-        lease_line = f"{lease.redis_url} key {lease.key}"
-    else:
-        leader = f"{lease.holder} (term {lease.term})"
-        lease_line = f"{lease.redis_url} key {lease.key}, expires in {_secs(lease.expires_in)}"
-    schema = f"schema {st.schema_version}" + (
-        "" if st.schema_version == st.code_schema_version else f" (this release: {st.code_schema_version})")
-    late = f"{st.unsent} claimed more than {st.claim_grace:g}s ago and not sent"
-    summary = [
-        ("cluster", st.cluster_name),
-        ("leader", leader),
-        ("lease", lease_line),
-        ("claim store", f"{st.db_url} ({schema})"),
-        ("database time", f"{_when(st.now)} UTC"),
-        ("schedules", f"{st.schedules} ({st.config_schedules} config, {st.stored_schedules} stored), "
-                      f"{len(st.paused)} paused" + (f": {', '.join(st.paused[:10])}" if st.paused else "")),
-        ("late or unsent", late),
-    ]
-    width = max(len(k) for k, _ in summary)
-    out = [f"{k.ljust(width)}  {for_terminal(v)}" for k, v in summary]
-    out.append("")
-    if st.nodes:
-        out.append(table(["NODE", "STATE", "SCHEDULING", "STARTED (UTC)", "HEARTBEAT", "CLOCK OFFSET"],
-                         [(n.node, n.state, "yes" if n.scheduling else "no", _when(n.started_at),
-                           _ago(n.heartbeat_age), _secs(n.clock_offset, signed=True)) for n in st.nodes]))
-    else:
-        out.append(f"no node heartbeated in the last {report.RECENT_NODES / 60:.0f} minutes")
-    if st.unsent_shown:
-        out.append("")
-        out.append(table(["UNSENT", "SCHEDULED (UTC)", "CLAIMED BY", "CLAIMED", "ATTEMPTS", "REASON"],
-                         [(u.schedule, _when(u.scheduled_at), u.node, _ago(u.age), u.attempts, u.reason)
-                          for u in st.unsent_shown]))
-    out.append("")
-    out.append("(occurrences due but never claimed, as while no leader runs, leave no row and are not counted)")
-    return "\n".join(out)
+    click.echo(views.render_status(st))
 
 
 @cluster_beat.command(name="list", cls=CeleryCommand)
+@click.option("--wide", cls=CeleryOption, is_flag=True, default=False, help_group="List Options",
+              help="Every column, uncut: exact rule text, task, counters, UTC times (default: fit 120 columns).")
 @json_option
 @click.pass_context
 @boundary
-def list_(ctx: click.Context, as_json: bool) -> None:
-    """Every schedule: rule and zone, next fire, last occurrence and outcome, counters, source, paused."""
-    schedules = report.schedule_list(_app(ctx))
+def list_(ctx: click.Context, wide: bool, as_json: bool) -> None:
+    """Every schedule: rule in words and zone, next fire, last outcome, overlap policy, state, source."""
+    app = _app(ctx)
+    with report.Opened(app, None) as store:
+        now = store.db_now()
+        schedules = report.schedule_list(app, store=store)
     if as_json:
         _json_out([s.as_dict() for s in schedules])
         return
-    click.echo(render_list(schedules))
-
-
-def render_list(schedules: Sequence[report.ScheduleInfo]) -> str:
-    if not schedules:
-        return "no schedules"
-
-    def state(s: report.ScheduleInfo) -> str:
-        if s.problem:
-            return "invalid"
-        if s.paused:
-            return "paused"
-        return "enabled" if s.enabled else "disabled"
-
-    rows = []
-    for s in schedules:
-        c = s.counters
-        rows.append((s.name, s.task, s.schedule, s.zone or "-", s.source, state(s), _when(s.next_fire),
-                     _when(s.last_occurrence), s.outcome or "-",
-                     f"{c.sent}/{c.skipped}/{c.missed}/{c.failed}"))
-    return table(["NAME", "TASK", "SCHEDULE", "ZONE", "SOURCE", "STATE", "NEXT FIRE (UTC)", "LAST (UTC)",
-                  "OUTCOME", "SENT/SKIP/MISS/FAIL"], rows) + \
-        "\n\n(next fire is computed from the rule and the database's clock; jitter may delay the send)"
+    click.echo(views.render_list(schedules, now, wide=wide))
 
 
 @cluster_beat.command(cls=CeleryCommand)
@@ -326,18 +255,20 @@ def render_list(schedules: Sequence[report.ScheduleInfo]) -> str:
 @boundary
 def history(ctx: click.Context, name: str, limit: int, as_json: bool) -> None:
     """Recent occurrences of schedule NAME: instant, status, node, sent / started / finished, runtime, error."""
-    rows = report.history(_app(ctx), name, limit=limit)
+    app = _app(ctx)
+    with report.Opened(app, None) as store:
+        rows = report.history(app, name, limit=limit, store=store)
+        paused = None if as_json else report.paused_info(store, name)
+        now = None if paused is None else store.db_now()
     if as_json:
         _json_out([r.as_dict() for r in rows])
         return
+    if paused is not None:
+        click.echo(views.pause_line(name, paused, now))
     if not rows:
         click.echo(f"no occurrence of {name!r} is recorded (yet, or any more: pruned)")
         return
-    click.echo(table(
-        ["SCHEDULED (UTC)", "STATUS", "RUN", "KIND", "NODE", "SENT", "STARTED", "FINISHED", "RUNTIME", "ERROR"],
-        [(_when(r.scheduled_at), r.status, r.run_state or "-", "manual" if r.manual else "scheduled", r.node,
-          _when(r.sent_at), _when(r.started_at), _when(r.finished_at),
-          "-" if r.runtime is None else f"{r.runtime:.3f}s", (r.error or "-")[:80]) for r in rows]))
+    click.echo(views.render_history(rows))
 
 
 @cluster_beat.command(cls=CeleryCommand)
@@ -398,12 +329,14 @@ def _act(app: Any, name: str, action: Callable[[Any], Any], *, paused_ok: bool =
 
 @cluster_beat.command(cls=CeleryCommand)
 @click.argument("name")
+@click.option("--note", cls=CeleryOption, default=None, help_group="Pause Options",
+              help="Why (shown by list, status and history; up to 500 characters).")
 @json_option
 @click.pass_context
 @boundary
-def pause(ctx: click.Context, name: str, as_json: bool) -> None:
+def pause(ctx: click.Context, name: str, note: Optional[str], as_json: bool) -> None:
     """Pause schedule NAME (config or stored): nothing is sent or recorded until resumed."""
-    _pause(ctx, name, True, as_json)
+    _pause(ctx, name, True, as_json, note=note)
 
 
 @cluster_beat.command(cls=CeleryCommand)
@@ -416,15 +349,23 @@ def resume(ctx: click.Context, name: str, as_json: bool) -> None:
     _pause(ctx, name, False, as_json)
 
 
-def _pause(ctx: click.Context, name: str, paused: bool, as_json: bool) -> None:
+def _pause(ctx: click.Context, name: str, paused: bool, as_json: bool, note: Optional[str] = None) -> None:
     by = _operator()
-    (version, changed), source = _act(_app(ctx), name, lambda store: store.set_paused(name, paused, by=by),
+    if note is not None:
+        from ..store.controls import pause_note
+
+        note = pause_note(note)  # refused (one line, exit 1) before anything is written
+    (version, changed), source = _act(_app(ctx), name,
+                                      lambda store: store.set_paused(name, paused, by=by, note=note),
                                       paused_ok=not paused)
     word = "paused" if paused else "resumed"
     if as_json:
-        _json_out({"schedule": name, "source": source, "paused": paused, "changed": changed, "version": version})
+        _json_out({"schedule": name, "source": source, "paused": paused, "changed": changed, "version": version,
+                   "note": note})
     elif changed:
         click.echo(f"{word} {name!r} ({source}); the leader applies it within 1 s")
+    elif note is not None:
+        click.echo(f"{name!r} was paused already; its note is now: {for_terminal(note)}")
     else:
         click.echo(f"{name!r} was {'paused' if paused else 'not paused'} already")
 
@@ -473,3 +414,7 @@ def prune(ctx: click.Context, older_than: Optional[str], as_json: bool) -> None:
         _json_out({"deleted": deleted, "older_than": seconds, "cutoff": cutoff.isoformat()})
     else:
         click.echo(f"deleted {deleted} claim row(s) of occurrences before {_when(cutoff)} UTC")
+
+
+from .adopt import adopt_store  # noqa: E402  (the command after a rebuilt claim store: ops/adopt.py)
+cluster_beat.add_command(adopt_store)

@@ -13,18 +13,23 @@ and no client, however many or slow, can take the loop's process from it.
   503 otherwise (for a Kubernetes liveness probe): a loop stuck in a call, or never
   coming back from one, stops ticking while this thread still answers. Answered on
   the selector thread itself: never queued behind a page being built.
-* ``/``: an HTML page (:mod:`.pagehtml`) with what ``celery ... cluster-beat status`` shows and
-  the first schedules by relevance (:mod:`.schedulepage`: ``?limit=`` up to 500, ``?q=`` a part
-  of the name), built at most once every 2 s however many clients ask (they share the build).
+* ``/``: the dashboard (:mod:`.pagehtml`, :mod:`.dashboard`): a health line (leader, lease,
+  nodes, late and failed occurrences, the loop), the first schedules by relevance
+  (:mod:`.schedulepage`: ``?limit=`` up to 500, ``?q=`` a part of the name, ``?state=`` failing,
+  paused, overdue, running or ok, ``?sort=`` attention, name, next or last) and the nodes;
+  ``/schedules/<name>`` (the name URL-quoted) one schedule: its next fires and its latest
+  occurrences with their runs. Each view is built at most once every 2 s however many clients
+  ask (they share the build).
   One view is built at a time: a request for another view that has no recent copy and cannot be
   built now is answered ``503`` with ``Retry-After`` at once (it never holds one of the pool's
   threads waiting), and the default view (no filter, the default limit) is never pushed out of the
   cache. When both the default view and others are asked for, the build slot alternates between
   them: clients cycling through filters cannot starve the default view, nor can a dashboard
   reloading the default view starve someone's filter.
-  Read-only: GET and HEAD only, no forms, no scripts, every value escaped, a strict
-  Content-Security-Policy. The URLs on it are masked where they are read (no
-  passwords); names and descriptions are shown as they are, escaped.
+  Read-only unless ``cluster_beat_http_actions_token`` is set (then run-now, pause and resume
+  from a schedule's page: POST with that token, same origin only, :mod:`.dashboardactions`):
+  no scripts, every value escaped, a strict Content-Security-Policy. The URLs on it are masked
+  where they are read (no passwords); names and descriptions are shown as they are, escaped.
 
 ``cluster_beat_http_page=False`` serves ``/healthz`` alone (the page and ``/metrics``
 answer 404); ``cluster_beat_http_token`` makes the page and ``/metrics`` require
@@ -40,16 +45,17 @@ import time
 from collections import OrderedDict
 from datetime import datetime
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
-from urllib.parse import parse_qs
 
 from ..errors import ConfigError
 from ..leader.urls import mask_url
+from .dashboardsource import ReportSource
+from .dashboardviews import DEFAULT_VIEW, SCHEDULE_PREFIX, View, page_view, schedule_view  # noqa: F401
 from .httpserver import BoundedHTTPServer, Limits, Request, Response
-from .pagehtml import PAGE_REFRESH, render_error, render_page  # noqa: F401  (importable from here as before)
+from .pagehtml import PAGE_REFRESH, render_error, render_message, render_page, render_schedule  # noqa: F401
 
 logger = logging.getLogger("celery_cluster_beat")
 
-__all__ = ["LoopHealth", "OpsServer", "BeatOps", "start_beat_server", "render_page"]
+__all__ = ["LoopHealth", "OpsServer", "BeatOps", "View", "start_beat_server", "render_page"]
 
 #: /healthz tolerates this much beyond the sleep the loop asked for, at least (seconds).
 MIN_HEALTH_MARGIN = 5.0
@@ -106,57 +112,45 @@ class LoopHealth:
 _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'none'; "
-                               "frame-ancestors 'none'",
+    # same-origin: a form of the page posts with its Origin (no-referrer would make it "null"); no other site learns a URL
+    "Referrer-Policy": "same-origin",
+    # form-action 'self': the filter bar (a GET) and, when turned on, the actions post to this server only
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
 }
 _TEXT = "text/plain; charset=utf-8"
+_HTML = "text/html; charset=utf-8"
 #: The status page's paths: they and /metrics need the token when one is set, /healthz never (a probe has no secret).
 PAGE_PATHS = ("/", "/index.html")
-
-
-#: The page's view when the URL asks for nothing: (limit, filter).
-DEFAULT_VIEW: Tuple[int, Optional[str]] = (100, None)
-
-
-def page_view(query: str) -> Tuple[int, Optional[str]]:
-    """(limit, filter) from the URL's query string: ``limit`` (capped) and ``q`` (see
-    :func:`.schedulepage.page_params`); other parameters are ignored. ValueError when bad."""
-    if not query:
-        return DEFAULT_VIEW
-    from .schedulepage import page_params
-
-    try:
-        fields = parse_qs(query, keep_blank_values=True, max_num_fields=16)
-    except ValueError:
-        raise ValueError("too many parameters") from None
-    return page_params((fields.get("limit") or [None])[-1], (fields.get("q") or [None])[-1])
-
-
 class OpsServer:
     """The HTTP server; *metrics* (``ClusterBeatMetrics``), *health* (:class:`LoopHealth`) and
     *page* (returns the status page's HTML: ``page()`` for the default view, ``page(limit=...,
-    query=...)`` for another) are each optional: a missing one answers 404.
-    With *token*, the page and ``/metrics`` need ``Authorization: Bearer <token>``."""
+    query=...[, state=..., sort=...])`` for another) are each optional: a missing one answers 404.
+    *detail* returns one schedule's page (``detail(name)``, None: no such schedule: 404); *actions*
+    (an :class:`~.dashboardactions.Actions`) carries out POSTs to a schedule's ``run``, ``pause`` and
+    ``resume`` (None: every POST is 405).
+    With *token*, the pages and ``/metrics`` need ``Authorization: Bearer <token>``."""
 
     def __init__(self, host: str, port: int, *, metrics: Any = None, health: Optional[LoopHealth] = None,
-                 page: Optional[Callable[[], str]] = None, token: Optional[str] = None,
-                 limits: Optional[Limits] = None) -> None:
+                 page: Optional[Callable[..., str]] = None, token: Optional[str] = None,
+                 limits: Optional[Limits] = None, detail: Optional[Callable[[str], Optional[str]]] = None,
+                 actions: Any = None, node: str = "") -> None:
         self.host, self.port = host, port
-        self.metrics, self.health, self.page = metrics, health, page
+        self.metrics, self.health, self.page, self.detail, self.actions = metrics, health, page, detail, actions
+        self.node = node
         self._token = token.encode() if token else None
         self.limits = limits or Limits()
         self._server: Optional[BoundedHTTPServer] = None
         self._page_cond = threading.Condition()
-        #: (limit, query) -> (monotonic time built, status, body); the most recently used last.
-        self._page_cache: "OrderedDict[Tuple[int, Optional[str]], Tuple[float, int, bytes]]" = OrderedDict()
+        #: view -> (monotonic time built, status, body); the most recently used last.
+        self._page_cache: "OrderedDict[View, Tuple[float, int, bytes]]" = OrderedDict()
         self._page_building = False
         self._page_next = float("-inf")  # monotonic time before which no page build starts
         #: When a request for the default view last found no fresh copy and could not build one, and
         #: when a request for another view was last turned away: who the next free slot is for.
         self._default_wanted = float("-inf")
         self._other_wanted = float("-inf")
-        self._last_built: Optional[Tuple[int, Optional[str]]] = None
+        self._last_built: Optional[View] = None
         self.page_builds = 0
         self.page_busy = 0  # requests answered 503 "busy" (another view's build holds the slot)
         self._metrics_lock = threading.Lock()
@@ -185,19 +179,43 @@ class OpsServer:
         return req.path == "/healthz"
 
     def handle(self, req: Request) -> Response:
-        """One request: read-only methods, the token where it is needed, then :meth:`route`."""
-        if req.method not in ("GET", "HEAD"):
-            return self._response(405, b"read-only: GET and HEAD only\n", _TEXT, Allow="GET, HEAD")
+        """One request: GET and HEAD, POST to an action when actions are on; the token where it is
+        needed; then :meth:`route` (or :meth:`act`)."""
         path = req.path
+        name, verb = schedule_view(path) if path.startswith(SCHEDULE_PREFIX) else (None, None)
+        posting = self.actions is not None and verb is not None and self.detail is not None
+        allowed = "POST" if posting else "GET, HEAD"
+        if req.method not in (("POST",) if posting else ("GET", "HEAD")):
+            text = (b"actions need a POST\n" if posting else
+                    b"read-only: GET and HEAD only\n" if self.actions is None else b"GET and HEAD only here\n")
+            return self._response(405, text, _TEXT, Allow=allowed)
         if self._token is not None and self._guarded(path) and not self._authorised(req):
             return self._response(401, b"a bearer token is required\n", _TEXT,
                                   **{"WWW-Authenticate": 'Bearer realm="cluster-beat"'})
+        if posting:
+            return self.act(req, name or "", verb or "")
         status, body, ctype, *extra = self.route(path, req.target.partition("?")[2])
         return self._response(status, body, ctype, **(extra[0] if extra else {}))
 
+    def act(self, req: Request, name: str, verb: str) -> Response:
+        """A POST to a schedule's action: :class:`~.dashboardactions.Actions` decides and acts; the
+        answer is a short page saying what happened, which goes back to the schedule's page."""
+        from .dashboard import schedule_href
+
+        status, text, tone = self.actions.handle(verb, name, req.headers, req.body)
+        back = schedule_href(name) if name else "/"
+        if status == 200:
+            with self._page_cond:  # its page is rebuilt when next asked, not served from before the action
+                for view in [v for v in self._page_cache if v.schedule == name]:
+                    del self._page_cache[view]
+        body = render_message(title="cluster-beat", node=self.node, text=text, tone=tone, back=back,
+                              refresh=2 if status == 200 else None, goto=back if status == 200 else None)
+        return self._response(status, body.encode(), _HTML)
+
     def _guarded(self, path: str) -> bool:
         """Whether *path* is served and needs the token (what is not served is a 404 for anyone)."""
-        return (path == "/metrics" and self.metrics is not None) or (path in PAGE_PATHS and self.page is not None)
+        return ((path == "/metrics" and self.metrics is not None) or (path in PAGE_PATHS and self.page is not None)
+                or (path.startswith(SCHEDULE_PREFIX) and self.detail is not None))
 
     def _authorised(self, req: Request) -> bool:
         scheme, _, given = req.headers.get("authorization", "").partition(" ")
@@ -223,6 +241,16 @@ class OpsServer:
             except ValueError as exc:
                 return 400, f"bad query: {exc}\n".encode(), _TEXT
             return self._page(view)
+        if path.startswith(SCHEDULE_PREFIX) and self.detail is not None:
+            try:
+                name, verb = schedule_view(path)
+            except UnicodeDecodeError:
+                return 400, b"bad schedule name: not UTF-8\n", _TEXT
+            from .schedulepage import QUERY_MAX
+
+            if name is None or verb is not None or len(name) > QUERY_MAX or not name.isprintable():
+                return 404, b"not found: /schedules/<name, URL-quoted>\n", _TEXT
+            return self._page(View(0, schedule=name))
         served = [p for p, on in (("/metrics", self.metrics), ("/healthz", self.health), ("/", self.page))
                   if on is not None]
         return 404, f"not found: {', '.join(served) or 'nothing is served'}\n".encode(), _TEXT
@@ -235,8 +263,8 @@ class OpsServer:
                 self._metrics_cache = (time.monotonic(), body)
             return body
 
-    def _page(self, view: Tuple[int, Optional[str]]) -> Tuple[Any, ...]:
-        """The page of *view* (limit, filter), as :meth:`route` answers it.
+    def _page(self, view: View) -> Tuple[Any, ...]:
+        """The page of *view*, as :meth:`route` answers it.
 
         A fresh one from the cache; else one build at a time and at most one every :data:`PAGE_CACHE`
         seconds (at least as long as the last build took, so builds take half of one thread at
@@ -279,7 +307,7 @@ class OpsServer:
             cached = self._page_cache.get(view)
             return self._html(cached) if cached is not None and now - cached[0] < PAGE_STALE else self._busy(now)
 
-    def _turn(self, view: Tuple[int, Optional[str]], now: float) -> Optional[Tuple[int, Optional[str]]]:
+    def _turn(self, view: View, now: float) -> Optional[View]:
         """Which view a request for *view* that found the slot free builds: its own; or, when the
         default view's turn has come (it was wanted lately, its copy is not fresh and the last build
         was another view's), the default view's; None to leave the slot to the other views (the last
@@ -296,24 +324,38 @@ class OpsServer:
 
     @staticmethod
     def _html(cached: Tuple[float, int, bytes]) -> Tuple[int, bytes, str]:
-        return cached[1], cached[2], "text/html; charset=utf-8"
+        return cached[1], cached[2], _HTML
+
+    def _render(self, view: View) -> Tuple[int, bytes]:
+        """(status, HTML) of *view*: the default view calls ``page()`` without arguments (a page that
+        takes none still serves it), another passes only what differs from a plain filter."""
+        if view.schedule is not None:
+            html = self.detail(view.schedule)
+            if html is None:
+                return 404, render_message(title="cluster-beat", node=self.node, tone="bad", back="/",
+                                           text=f"no schedule is named {view.schedule!r}").encode()
+            return 200, html.encode()
+        if view == DEFAULT_VIEW:
+            return 200, self.page().encode()
+        args: Dict[str, Any] = {"limit": view.limit, "query": view.query}
+        args.update({k: v for k, v in (("state", view.state), ("sort", view.sort)) if v is not None})
+        return 200, self.page(**args).encode()
 
     def _busy(self, now: float) -> Tuple[int, bytes, str, Dict[str, str]]:
         """503 for a view that can be neither served nor built now, with when to try again."""
         self.page_busy += 1
         wait = max(1, math.ceil(max(self._page_next - now, PAGE_CACHE if self._page_building else 0.0)))
         return (503, f"busy: the status page builds one view at a time; try again in {wait} s\n".encode(), _TEXT,
-                {"Retry-After": str(wait)})
+                {"Retry-After": str(wait), "Refresh": str(wait)})  # a browser asks again by itself
 
-    def _build(self, view: Tuple[int, Optional[str]]) -> Tuple[int, bytes]:
+    def _build(self, view: View) -> Tuple[int, bytes]:
         """Build *view*'s page (the slot is this thread's) and cache it; frees the slot."""
         cond = self._page_cond
         started = time.monotonic()
         built: Optional[Tuple[int, bytes]] = None
         try:
-            try:  # the default view calls page() without arguments: a page that takes none still serves it
-                args = {} if view == DEFAULT_VIEW else {"limit": view[0], "query": view[1]}
-                built = 200, self.page(**args).encode()
+            try:
+                built = self._render(view)
             except Exception as exc:
                 logger.warning("cluster-beat http: building the status page failed: %s", mask_url(repr(exc)))
                 built = 503, render_error(exc).encode()
@@ -343,7 +385,7 @@ class BeatOps:
     """What beat holds while the server runs: the health it updates each tick, and ``stop()``."""
 
     def __init__(self, server: OpsServer, health: LoopHealth, metrics: Any, store: Any,
-                 source: Optional["_ReportSource"] = None) -> None:
+                 source: Optional[ReportSource] = None) -> None:
         self.server, self.health, self.metrics, self._store, self._source = server, health, metrics, store, source
 
     @property
@@ -392,19 +434,35 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
     Gauge("cluster_beat_tick_age_seconds", "Seconds since the scheduling loop last ticked",
           registry=metrics.registry).set_function(health.age)
 
-    source = _ReportSource(app, settings)
+    source = ReportSource(app, settings)
     Gauge("cluster_beat_stored_schedules", "Live stored schedules (read from the claim store at most every 30 s)",
           registry=metrics.registry).set_function(source.stored_count)
+    title = f"cluster-beat: {settings.cluster_name}"
+    actions = None
+    actions_token = getattr(settings, "http_actions_token", None)
+    if actions_token:
+        from .dashboardactions import Actions
 
-    def page(limit: Optional[int] = None, query: Optional[str] = None) -> str:
-        status, view = source.read(limit, query)
+        actions = Actions(app, settings, actions_token)
+
+    def page(limit: Optional[int] = None, query: Optional[str] = None, state: Optional[str] = None,
+             sort: Optional[str] = None) -> str:
+        status, view = source.read(limit, query, state, sort)
         schedules = view.pop("schedules")
-        return render_page(title=f"cluster-beat: {settings.cluster_name}", node=settings.node_id,
-                           status=status, schedules=schedules, health=health.check()[1], shown=view)
+        return render_page(title=title, node=settings.node_id, status=status, schedules=schedules,
+                           health=health.check(), shown=view, failures=status.get("failed_last_hour"),
+                           actions=actions is not None)
+
+    def detail(name: str) -> Optional[str]:
+        found = source.detail(name)
+        if found is None:
+            return None
+        return render_schedule(title=title, node=settings.node_id, detail=found, actions=actions is not None)
 
     shown = settings.http_page  # False: /healthz alone
     server = OpsServer(settings.http_host, settings.http_port, metrics=metrics if shown else None, health=health,
-                       page=page if shown else None, token=settings.http_token)
+                       page=page if shown else None, token=settings.http_token, detail=detail if shown else None,
+                       actions=actions if shown else None, node=settings.node_id)
     try:
         server.start()
     except OSError as exc:
@@ -414,79 +472,8 @@ def start_beat_server(app: Any, settings: Any, *, sender: Any, store: Any = None
             store.observer = None
         raise ConfigError([f"setting cluster_beat_http_port: cannot listen on {settings.http_host}:"
                            f"{settings.http_port}: {exc}"]) from exc
-    logger.info("cluster-beat: %s on %s%s%s", "status page, /metrics and /healthz" if shown else "/healthz alone",
+    logger.info("cluster-beat: %s on %s%s%s%s", "status page, /metrics and /healthz" if shown else "/healthz alone",
                 server.url, " (port picked by the system)" if not settings.http_port else "",
-                " (the page and /metrics need the bearer token)" if shown and settings.http_token else "")
+                " (the page and /metrics need the bearer token)" if shown and settings.http_token else "",
+                " (actions on: run now, pause and resume with the actions token)" if shown and actions else "")
     return BeatOps(server, health, metrics, store, source)
-
-
-#: The page names at most this many paused schedules (all are counted).
-PAUSED_SHOWN = 20
-#: ``cluster_beat_stored_schedules`` is read from the claim store at most this often (seconds).
-STORED_COUNT_EVERY = 30.0
-
-
-class _ReportSource:
-    """What ``status`` prints and the first schedules by relevance (:mod:`.schedulepage`), read through
-    a store and a Redis client of the page's own (opened on the first request, kept until
-    :meth:`close`): the page's reads never queue behind the scheduler's connections, nor count in
-    its claim-store metrics. The config's entries are validated once and kept, with their next fires."""
-
-    def __init__(self, app: Any, settings: Any) -> None:
-        self.app, self.settings = app, settings
-        self._store: Any = None
-        self._redis: Any = None
-        self._lock = threading.Lock()
-        self._entries: Any = None
-        self._fires: Any = None
-        self._stored: Tuple[float, float] = (float("-inf"), float("nan"))  # (monotonic time read, count)
-
-    def _open(self) -> Any:
-        from . import report
-
-        if self._store is None:
-            self._store = report.open_store(self.app, self.settings)
-        return self._store
-
-    def read(self, limit: Optional[int] = None, query: Optional[str] = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-        """(the status, the page of schedules) as JSON-safe dicts."""
-        from . import report, schedulepage
-
-        with self._lock:
-            store = self._open()
-            if self._redis is None and self.settings.redis is not None:
-                self._redis = self.settings.redis.client()
-            if self._entries is None:
-                self._entries, self._fires = report.config_entries(self.app), schedulepage.NextFires()
-            status = report.cluster_status(self.app, store, self._redis, settings=self.settings,
-                                           paused_limit=PAUSED_SHOWN)
-            view = schedulepage.schedule_page(self.app, store, limit=limit, query=query, settings=self.settings,
-                                              entries=self._entries, fires=self._fires)
-            self._stored = (time.monotonic(), float(status.stored_schedules))
-        return status.as_dict(), view.as_dict()
-
-    def stored_count(self) -> float:
-        """Live stored schedules, read at most every :data:`STORED_COUNT_EVERY` seconds (NaN until read)."""
-        read_at, count = self._stored
-        if time.monotonic() - read_at < STORED_COUNT_EVERY or not self._lock.acquire(blocking=False):
-            return count  # fresh, or a page build holds the store (it reads the count too)
-        try:
-            self._stored = (time.monotonic(), count)  # failed or not, not again before the period ends
-            count = float(self._open().stored_count())
-            self._stored = (time.monotonic(), count)
-        except Exception as exc:  # the database is down: /metrics still answers
-            logger.debug("cluster-beat http: counting stored schedules failed: %s", mask_url(repr(exc)))
-        finally:
-            self._lock.release()
-        return count
-
-    def close(self) -> None:
-        with self._lock:
-            store, self._store = self._store, None
-            client, self._redis = self._redis, None
-        for thing in (store, client):
-            if thing is not None:
-                try:
-                    thing.close()
-                except Exception:  # never fail a shutdown
-                    logger.debug("cluster-beat http: closing %r failed", thing, exc_info=True)

@@ -73,6 +73,8 @@ class Request:
     version: str
     headers: Dict[str, str]
     keep_alive: bool
+    #: The (small, bounded: ``Limits.max_body``) body that came with the request.
+    body: bytes = b""
 
     @property
     def path(self) -> str:
@@ -323,6 +325,7 @@ class BoundedHTTPServer:
                 return
             if len(buf) < at + size + length:
                 return  # the (small) body is still on its way
+            req.body = bytes(buf[at + size:at + size + length])
             del buf[:at + size + length]
             if self._inline(req):
                 self._answer_inline(conn, req, None)

@@ -20,8 +20,9 @@ What is measured, and where it comes from:
                                              deliberate jitter and catch-up sends
 ``cluster_beat_leader``                      1 while this node holds the lease (or schedules
                                              without a lease), else 0
-``cluster_beat_lease_term``                  the fencing term of this node's latest holding
-                                             (0: never held one)
+``cluster_beat_lease_term``                  the latest fencing term this node knows of: its own
+                                             holding's, on a standby the leader's (read from the
+                                             lease at scrape time); 0: none seen yet
 ``cluster_beat_lease_events_total``          ``lease_changed`` by ``event``
 ``cluster_beat_lease_renew_seconds``         histogram of lease renewal calls (Redis round trip)
 ``cluster_beat_claim_store_seconds``         histogram of claim-store transactions (retries included)
@@ -163,7 +164,8 @@ class ClusterBeatMetrics:
                                   by_schedule, buckets=LATENESS_BUCKETS, registry=reg)
         self.leader = Gauge("cluster_beat_leader", "1 while this node schedules (holds the lease), else 0",
                             registry=reg)
-        self.term = Gauge("cluster_beat_lease_term", "Fencing term of this node's latest lease holding (0: none)",
+        self.term = Gauge("cluster_beat_lease_term",
+                          "Latest fencing term this node knows of: its own holding's, or the leader's (0: none)",
                           registry=reg)
         self.lease_events = Counter("cluster_beat_lease_events", "Lease transitions by event", ["event"],
                                     registry=reg)
@@ -189,6 +191,7 @@ class ClusterBeatMetrics:
         self.node_info.labels(node=node, cluster=cluster).set(1)
         self.leader.set(0)
         self.term.set(0)
+        self._held_term = 0  # the latest term a holding event reported (the gauge never goes below it)
         self.store_errors.inc(0)  # exported from the start, so a rate() has a baseline
         self.refused.inc(0)
         self._count_series()
@@ -234,7 +237,12 @@ class ClusterBeatMetrics:
                 self._count_series()
 
     def instrument_lease(self, lease: Any) -> None:
-        """Time the lease's renewals: wraps *lease*'s ``renew`` on this instance only."""
+        """Time the lease's renewals: wraps *lease*'s ``renew`` on this instance only. The term gauge
+        then reads the lease's latest known term at each scrape: a standby learns the leader's term
+        from the lease (no event of its own says so), and would otherwise show 0."""
+        known = getattr(lease, "known_term", None)
+        if known is not None:
+            self.term.set_function(lambda: max(lease.known_term, self._held_term))
         original = lease.renew
         observe = self.lease_renew.observe
 
@@ -353,6 +361,7 @@ class ClusterBeatMetrics:
         if value in _HOLDING:
             self.leader.set(1)
             if term is not None:
+                self._held_term = max(self._held_term, int(term))
                 self.term.set(int(term))
         elif value in _NOT_HOLDING:
             self.leader.set(0)

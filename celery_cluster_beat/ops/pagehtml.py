@@ -1,131 +1,124 @@
-"""The status page's HTML: every value escaped, no forms, no scripts, nothing fetched.
+"""The dashboard's HTML: Jinja2 templates with autoescaping, no scripts, nothing fetched.
 
-Kept apart from the server (:mod:`.http`) because it is what a hostile name or
-description reaches: rendering is generic (keys and values of the reports' ``as_dict()``),
-and :func:`_text` is the one place a value becomes HTML. Values are escaped, never masked:
-the URLs on the page are masked where they are read (:mod:`.report`), and masking
-anything else would mangle names such as ``a:b:c@d``.
+Kept apart from the server (:mod:`.http`) because it is what a hostile name or description
+reaches. The view models (:mod:`.dashboard`) are plain strings and numbers; the templates
+(``templates/*.html``, package files) place them, and Jinja escapes every value it prints
+(``autoescape`` on for every template, whatever its name). The only markup that is not a
+template's own is the chart's SVG (:mod:`.dashboardchart`), built from numbers with its texts
+escaped. The stylesheet (``templates/dashboard.css``) is read once at import and inlined: the
+page fetches nothing (no CDN, no fonts), as its Content-Security-Policy requires.
+
+Values are escaped, never masked: the URLs on the page are masked where they are read
+(:mod:`.report`), and masking anything else would mangle names such as ``a:b:c@d``. A value is
+shown up to :data:`MAX_SHOWN` characters, the rest counted (:func:`.dashboard.clip`).
 """
 from __future__ import annotations
 
-import html
 from datetime import datetime, timezone
-from typing import Any, Dict, Iterable, List, Optional
-from urllib.parse import urlencode
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import jinja2
+from markupsafe import Markup, escape
 
 from ..leader.urls import mask_url
+from . import dashboard as dash
+from .dashboard import MAX_SHOWN, clip
+from .dashboardchart import runs_chart
 
-__all__ = ["render_page", "render_error", "PAGE_REFRESH"]
+__all__ = ["render_page", "render_schedule", "render_message", "render_error", "PAGE_REFRESH", "MAX_SHOWN"]
 
-#: The status page reloads itself this often (seconds).
-PAGE_REFRESH = 5
-#: Longest text one cell shows (the rest is counted, not shown: the CLI's ``--json`` has it whole).
-MAX_SHOWN = 500
+#: The pages reload themselves this often (seconds); a schedule page with action forms does not
+#: (a reload would wipe what the operator is typing).
+PAGE_REFRESH = 10
 
-_STYLE = """
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
-table{border-collapse:collapse;margin:.4em 0}
-td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top;font-size:.92em}
-section{overflow-x:auto}th{background:#f2f2f2}.muted{color:#777}.bad{color:#b00}
-"""
+_TEMPLATES = Path(__file__).resolve().parent / "templates"
+_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True,
+                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+#: Trusted: the package's own file, not data.
+_CSS = Markup((_TEMPLATES / "dashboard.css").read_text(encoding="utf-8"))
 
 
 def _text(value: Any) -> str:
-    """One value as escaped text. Not masked: the URLs on the page are masked where they are read
-    (:mod:`.report`), and masking anything else would mangle names such as ``a:b:c@d``."""
+    """One value as escaped, bounded text (what every cell shows): ``-`` for None."""
     if value is None:
         return '<span class="muted">-</span>'
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, datetime):
-        value = value.isoformat()
+        value = dash.exact(value)
     elif isinstance(value, float):
         value = f"{value:.3f}".rstrip("0").rstrip(".") if round(value, 3) else "0"
-    text = str(value)
-    if len(text) > MAX_SHOWN:  # a description of a megabyte would make every page of it megabytes
-        text = f"{text[:MAX_SHOWN]}… ({len(text):,} characters)"
-    return html.escape(text)
+    return str(escape(clip(value)))
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, dict):
-        return _kv_table(value)
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, dict) for v in value):
-            return _rows_table(value)
-        return ", ".join(_text(v) for v in value) or '<span class="muted">-</span>'
-    return _text(value)
+def _common(title: str, node: str, refresh: Optional[int], actions: Optional[bool]) -> Dict[str, Any]:
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    return {"title": clip(title, 200), "node": clip(node, 255), "refresh": refresh, "actions": actions, "css": _CSS,
+            "goto": None,
+            "generated": now.strftime("%H:%M:%S UTC"), "generated_iso": now.isoformat()}
 
 
-def _kv_table(data: Dict[str, Any]) -> str:
-    rows = "".join(f"<tr><th>{_text(k)}</th><td>{_cell(v)}</td></tr>" for k, v in data.items())
-    return f"<table>{rows}</table>"
+def _cluster(status: Dict[str, Any], now: datetime) -> Dict[str, Any]:
+    """The collapsed cluster details, with defaults for anything a report left out."""
+    paused = [{"name": clip(p.get("name"), 255), "href": dash.schedule_href(str(p.get("name") or "")),
+               "by": clip(p.get("paused_by"), 100), "note": clip(p.get("paused_note"), 200)}
+              for p in status.get("paused_details") or ()]
+    if not paused:
+        paused = [{"name": clip(n, 255), "href": dash.schedule_href(str(n)), "by": "", "note": ""}
+                  for n in status.get("paused") or ()]
+    unsent = [{"schedule": clip(u.get("schedule"), 255), "href": dash.schedule_href(str(u.get("schedule") or "")),
+               "at": dash.when(dash._parse(u.get("scheduled_at")), now), "node": clip(u.get("node"), 255),
+               "reason": clip(u.get("reason"), 200)} for u in status.get("unsent_shown") or ()]
+    full = {"cluster_name": "", "db_url": "", "schema_version": "", "code_schema_version": "", "schedules": 0,
+            "config_schedules": 0, "stored_schedules": 0, "paused_count": len(paused), "unsent": len(unsent),
+            "lease": {}}
+    full.update({k: v for k, v in status.items() if v is not None})
+    full["lease"] = {"enabled": False, "key": "", "redis_url": "", "error": "", **(status.get("lease") or {})}
+    return {"status": full, "paused": paused, "unsent": unsent,
+            "grace": dash.duration(status.get("claim_grace")) if status.get("claim_grace") is not None else "-"}
 
 
-def _rows_table(rows: Iterable[Dict[str, Any]], cls: str = "") -> str:
-    rows = list(rows)
-    columns: List[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in columns]
-    head = "".join(f"<th>{_text(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(row.get(c))}</td>" for c in columns) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+def render_page(*, title: str, node: str, status: Dict[str, Any], schedules: Sequence[Dict[str, Any]],
+                health: Optional[Tuple[bool, str]] = None, refresh: Optional[int] = PAGE_REFRESH,
+                shown: Optional[Dict[str, Any]] = None, failures: Optional[int] = None,
+                actions: bool = False) -> str:
+    """The dashboard: the health line, the schedules table and the nodes panel. *status*:
+    :meth:`ClusterStatus.as_dict`; *schedules* and *shown*: a :class:`~.schedulepage.SchedulePage`'s
+    ``as_dict()`` rows and the rest of it; *health*: the loop's ``(ok, text)``; *failures*: failed
+    occurrences of the last hour (None: not counted)."""
+    now = dash._parse(status.get("now")) or datetime.now(timezone.utc)
+    shown = shown or {"shown": len(schedules), "total": len(schedules), "limit": len(schedules)}
+    context = _common(title, node, refresh, actions)
+    context.update(_cluster(status, now))
+    context.update(chips=dash.health_line(status, loop=health, failures=failures, counts=shown.get("counts") or {},
+                                          now=now),
+                   f=dash.filters(shown), rows=dash.schedule_rows(schedules, now), nodes=dash.nodes_panel(status))
+    return _ENV.get_template("index.html").render(context)
 
 
-def _section(title: str, data: Any, ident: str) -> str:
-    if isinstance(data, dict):
-        inner = _kv_table({k: v for k, v in data.items() if not (isinstance(v, list) and v and isinstance(v[0], dict))})
-        inner += "".join(f"<h3>{_text(k)}</h3>{_rows_table(v)}" for k, v in data.items()
-                         if isinstance(v, list) and v and isinstance(v[0], dict))
-    elif isinstance(data, (list, tuple)):
-        inner = _rows_table(data) if data else '<p class="muted">none</p>'
-    else:
-        inner = f"<p>{_text(data)}</p>"
-    return f'<section id="{ident}"><h2>{_text(title)}</h2>{inner}</section>'
+def render_schedule(*, title: str, node: str, detail: Any, actions: bool = False,
+                    refresh: Optional[int] = PAGE_REFRESH, notice: Optional[Dict[str, str]] = None) -> str:
+    """One schedule's page (a :class:`~.schedulepage.ScheduleDetail`): what it is, its next fires,
+    its latest occurrences with a chart, and with *actions* the forms to run, pause or resume it."""
+    view = dash.detail_view(detail)
+    context = _common(title, node, None if actions else refresh, actions)
+    context.update(d=view, chart=runs_chart(view["recent"]), notice=notice)
+    return _ENV.get_template("schedule.html").render(context)
 
 
-def _shown(summary: Dict[str, Any]) -> str:
-    """The line above the schedules: how many of how many, in which order, and how to see others."""
-    query, limit, total = summary.get("query"), int(summary.get("limit") or 0), int(summary.get("total") or 0)
-    counts = summary.get("counts") or {}
-    matching = f" whose name contains &#8220;{_text(query)}&#8221; (any case)" if query else ""
-    attention = ", ".join(f"{int(n):,} {_text(k)}" for k, n in counts.items())
-    more = ""
-    if total > int(summary.get("shown") or 0):
-        wider = urlencode({k: v for k, v in (("q", query), ("limit", 500)) if v})
-        more = f'; show up to 500 with <a href="?{html.escape(wider)}">?limit=500</a>'
-    return (f'<p id="shown">showing {int(summary.get("shown") or 0):,} of {total:,} schedules{matching}'
-            f'{f" ({attention})" if attention else ""}: failing, paused and overdue ones first, then the next '
-            f"to fire (at most {limit:,} a page). Filter by name with <code>?q=text</code>{more}.</p>")
-
-
-def render_page(*, title: str, node: str, status: Any, schedules: Any, health: Optional[str] = None,
-                refresh: Optional[int] = PAGE_REFRESH, shown: Optional[Dict[str, Any]] = None) -> str:
-    """The status page: *status* and *schedules* are what ``status`` and ``list`` print
-    (their ``as_dict()``), rendered generically: every key and value is escaped. *shown*: the
-    summary of a :class:`~.schedulepage.SchedulePage` whose rows *schedules* are."""
-    now = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-    meta = f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else ""
-    health_html = f'<p id="health">loop: {_text(health)}</p>' if health else ""
-    return (
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{_text(title)}</title>{meta}<style>{_STYLE}</style></head><body>"
-        f"<h1>{_text(title)}</h1>"
-        f'<p class="muted">served by node <span id="node">{_text(node)}</span> at {_text(now)}; read-only'
-        f"{f', reloads every {int(refresh)} s' if refresh else ''}</p>{health_html}"
-        f"{_section('Cluster status', status, 'status')}"
-        f"{_shown(shown) if shown is not None else ''}"
-        f"{_section('Schedules', schedules, 'schedules')}"
-        "</body></html>"
-    )
+def render_message(*, title: str, node: str, text: str, tone: str = "", back: Optional[str] = None,
+                   refresh: Optional[int] = None, goto: Optional[str] = None) -> str:
+    """A one-line page: what an action did, or why it was refused; with *goto* (a path of this
+    server) it goes there after *refresh* seconds."""
+    context = _common(title, node, refresh, None)
+    context.update(text=clip(text, 1000), tone=tone, back=back, goto=goto)
+    return _ENV.get_template("message.html").render(context)
 
 
 def render_error(exc: BaseException) -> str:
     """The page served (with a 503) when the cluster state cannot be read: the error's class and
     first words, URLs masked and escaped, and the same refresh as the page, so a browser left open
     on it comes back by itself once the database answers."""
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>cluster-beat status</title>"
-            f'<meta http-equiv="refresh" content="{PAGE_REFRESH}"></head><body><h1>cluster-beat status</h1>'
-            f'<p class="bad">cannot read the cluster state: {_text(type(exc).__name__)}: {_text(mask_url(exc))}</p>'
-            "</body></html>")
+    return render_message(title="cluster-beat status", node="", tone="bad", refresh=PAGE_REFRESH,
+                          text=f"cannot read the cluster state: {type(exc).__name__}: {mask_url(exc)}")

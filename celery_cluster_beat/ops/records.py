@@ -10,16 +10,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Dict, Optional, Tuple
 
+from ..base import StrEnum
 from ..store import ClaimRow
 
-__all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "UnsentOccurrence", "ScheduleInfo", "Counters", "HistoryRow",
-           "MANUAL"]
+__all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "NodeStatus", "PausedInfo", "UnsentOccurrence", "ScheduleInfo",
+           "Counters", "HistoryRow", "MANUAL"]
 
 #: The reason a claim row of an operator's run-now carries.
 MANUAL = "manual"
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, StrEnum):
+        return value.value
     if isinstance(value, datetime):
         return value.isoformat()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -51,17 +54,40 @@ class LeaseInfo(_AsDict):
     error: Optional[str] = None  #: why Redis could not be read
 
 
+class NodeStatus(StrEnum):
+    """Where a beat node stands, as ``status`` and the dashboard say it."""
+
+    LEADER = "leader"  #: holds the lease (without a lease: last raised the term)
+    UP = "up"  #: heartbeat within the claim grace
+    #: Shut down cleanly (SIGTERM: lease and claims handed over) and not heard from since.
+    STOPPED = "stopped"
+    #: Heartbeat older than the claim grace without a clean stop: crashed, killed, cut off.
+    GONE = "gone"
+
+
 @dataclass(frozen=True)
 class NodeInfo(_AsDict):
     """A beat node the claim store heard from recently."""
 
     node: str
-    state: str  #: ``leader``, ``up`` (heartbeat within the claim grace) or ``gone``
-    scheduling: bool  #: it said so in its last heartbeat
+    state: NodeStatus  #: a str: ``leader``, ``up``, ``stopped`` or ``gone``
+    #: It said so in its last heartbeat; False for a stopped or gone node, whatever it last said.
+    scheduling: bool
     started_at: datetime
     heartbeat_at: datetime
     heartbeat_age: float  #: seconds, by the database's clock
     clock_offset: Optional[float]  #: seconds: database clock minus the node's
+    stopped_at: Optional[datetime] = None  #: when it shut down cleanly (``stopped`` nodes only)
+
+
+@dataclass(frozen=True)
+class PausedInfo(_AsDict):
+    """A paused schedule: who paused it, when, and why."""
+
+    name: str
+    paused_at: Optional[datetime]
+    paused_by: Optional[str]
+    paused_note: Optional[str]
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,8 @@ class ClusterStatus(_AsDict):
     unsent_shown: Tuple[UnsentOccurrence, ...]
     #: How many are paused (``paused`` names only the first ones when the caller limited it).
     paused_count: int = 0
+    #: The schedules of ``paused``, same order, with who paused each, when and why.
+    paused_details: Tuple[PausedInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,6 +172,21 @@ class ScheduleInfo(_AsDict):
     owner: Optional[str] = None
     description: str = ""
     problem: Optional[str] = None  #: a stored row that no longer validates
+    paused_note: Optional[str] = None  #: why it was paused, in the operator's words
+    #: Its overlap policy as the leader applies it (an ``OverlapPolicy`` value: ``skip``, ``allow``,
+    #: ``buffer_one``, ``replace``); None for a stored row that does not validate.
+    overlap: Optional[str] = None
+    rule: Optional[str] = None  #: the rule in words with its zone ("At 02:30, Monday through Friday (UTC)")
+    compact: Optional[str] = None  #: the rule's short form (``0 4 * * *``, ``every 6h from 02:30``)
+
+    @property
+    def state(self) -> str:
+        """``invalid``, ``paused``, ``enabled`` or ``disabled``."""
+        if self.problem:
+            return "invalid"
+        if self.paused:
+            return "paused"
+        return "enabled" if self.enabled else "disabled"
 
     @property
     def outcome(self) -> Optional[str]:
@@ -159,6 +202,7 @@ class ScheduleInfo(_AsDict):
     def as_dict(self) -> Dict[str, Any]:
         out = _plain(self)
         out["outcome"] = self.outcome
+        out["state"] = self.state
         return out
 
 

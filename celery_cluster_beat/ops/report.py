@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..config.celeryconf import default_entries, has_result_backend
 from ..config.entries import Entry, build_entries
+from ..config.observing import ignores_results, uses_ledger
+from ..config.values import OverlapPolicy
 from ..config.settings import Settings, load_settings
 from ..dynamic.convert import entry_from_row
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
@@ -42,14 +44,16 @@ from ..leader.urls import mask_url
 from ..schedules.celery_types import app_zone, cron, every
 from ..schedules.tzwall import zone_name
 from ..schedules.text import schedule_text
-from ..store import SCHEMA_VERSION, ClaimStatus, ClaimStore
+from ..store import SCHEMA_VERSION, ClaimStore
 from ..store.stored import StoredRow
 from .records import (MANUAL, ClusterStatus, Counters, HistoryRow, LeaseInfo,  # noqa: F401  (the API's records)
-                      NodeInfo, ScheduleInfo, UnsentOccurrence)
+                      NodeInfo, NodeStatus, PausedInfo, ScheduleInfo, UnsentOccurrence)
+from .words import compact, cron_fields, rule_words
 
-__all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "UnsentOccurrence", "ScheduleInfo", "Counters", "HistoryRow",
+__all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "NodeStatus", "PausedInfo", "UnsentOccurrence", "ScheduleInfo",
+           "Counters", "HistoryRow",
            "NoSuchSchedule", "cluster_status", "schedule_list", "history", "load_settings_of", "open_store",
-           "schedule_source", "config_entries", "Opened", "ScheduleReads", "RECENT_NODES"]
+           "schedule_source", "config_entries", "Opened", "ScheduleReads", "RECENT_NODES", "paused_info", "node_status"]
 
 #: A node whose last heartbeat is older than this (seconds) is left out of ``status``.
 RECENT_NODES = 3600.0
@@ -159,11 +163,17 @@ def _app_zone_name(app: Any) -> str:
 
 
 def _describe(app: Any, schedule: Any) -> Tuple[str, Optional[str]]:
-    """(text, zone) of a rule as operators read it."""
+    """(text, zone) of a rule as operators read it: its exact text form, but a Celery ``crontab``
+    (Celery's own ``celery.backend_cleanup``, converted) as its cron fields, never its repr."""
     try:
         text, zone = schedule_text(schedule)
     except (ScheduleError, ValueError, TypeError):
         text, zone = getattr(schedule, "expr", None) or repr(schedule), getattr(schedule, "tz_name", None)
+    if text.startswith("crontab(") and getattr(schedule, "spec", None) is not None:
+        try:
+            text = cron_fields(schedule.spec)
+        except (AttributeError, TypeError, ValueError, IndexError):
+            pass  # the repr then: exact, if long
     if zone is None and (isinstance(schedule, cron) or (isinstance(schedule, every) and schedule.baseline)):
         zone = _app_zone_name(app)
     return text, zone
@@ -192,10 +202,13 @@ def cluster_status(app: Any, store: Optional[ClaimStore] = None, redis: Any = No
     nodes = []
     for n in ov.nodes:
         age = max(0.0, (ov.now - n.heartbeat_at).total_seconds())
-        state = "leader" if leader is not None and n.node == leader else (
-            "up" if age <= settings.claim_grace else "gone")
-        nodes.append(NodeInfo(node=n.node, state=state, scheduling=n.scheduling, started_at=n.started_at,
-                              heartbeat_at=n.heartbeat_at, heartbeat_age=round(age, 3), clock_offset=n.clock_offset))
+        state = node_status(n.node, n.heartbeat_at, n.stopped_at, age, leader=leader, grace=settings.claim_grace)
+        nodes.append(NodeInfo(node=n.node, state=state, started_at=n.started_at,
+                              scheduling=n.scheduling and state in (NodeStatus.LEADER, NodeStatus.UP),
+                              heartbeat_at=n.heartbeat_at, heartbeat_age=round(age, 3), clock_offset=n.clock_offset,
+                              stopped_at=n.stopped_at if state == NodeStatus.STOPPED else None))
+    paused = tuple(PausedInfo(name=c.name, paused_at=c.paused_at, paused_by=c.paused_by, paused_note=c.paused_note)
+                   for c in ov.paused_rows)
     unsent = tuple(UnsentOccurrence(schedule=r.schedule, scheduled_at=r.scheduled_at, claimed_at=r.claimed_at,
                                     node=r.node, attempts=r.attempts, reason=r.reason,
                                     age=round((ov.now - r.claimed_at).total_seconds(), 3))
@@ -206,8 +219,20 @@ def cluster_status(app: Any, store: Optional[ClaimStore] = None, redis: Any = No
         store_term=ov.term, lease=lease, nodes=tuple(nodes), schedules=config_count + ov.stored_schedules,
         config_schedules=config_count, stored_schedules=ov.stored_schedules, paused=ov.paused,
         claim_grace=settings.claim_grace, unsent=ov.unsent, unsent_shown=unsent,
-        paused_count=ov.paused_count if ov.paused_count is not None else len(ov.paused),
+        paused_count=ov.paused_count if ov.paused_count is not None else len(ov.paused), paused_details=paused,
     )
+
+
+def node_status(node: str, heartbeat_at: datetime, stopped_at: Optional[datetime], age: float, *,
+                leader: Optional[str], grace: float) -> NodeStatus:
+    """A node's :class:`NodeStatus`: ``stopped`` once it recorded a clean stop and has not
+    heartbeated since; else ``leader`` (the lease holder), ``up`` (heartbeat within *grace*
+    seconds) or ``gone`` (its heartbeat lapsed without a clean stop: crashed, killed, cut off)."""
+    if stopped_at is not None and heartbeat_at <= stopped_at:
+        return NodeStatus.STOPPED
+    if leader is not None and node == leader:
+        return NodeStatus.LEADER
+    return NodeStatus.UP if age <= grace else NodeStatus.GONE
 
 
 def _lease(settings: Settings, redis: Any, now: datetime) -> LeaseInfo:
@@ -258,27 +283,64 @@ class ScheduleReads:
     last occurrence, controls), read in one go: for *names*, or for every schedule (None)."""
 
     def __init__(self, app: Any, st: ClaimStore, names: Optional[List[str]] = None,
-                 now: Optional[datetime] = None) -> None:
+                 now: Optional[datetime] = None, settings: Optional[Settings] = None) -> None:
         self.app = app
+        self._settings = settings
         self.now = now = st.db_now() if now is None else now
         self.states = {s.name: s for s in st.schedule_states(names)}
         self.latest = latest = st.latest_claims(names)
-        # An instant's occurrences are claimed up to a moment before it: that row is the next
-        # fire, not the last outcome. Show the one before it (a few schedules at most).
-        ahead = [n for n, r in latest.items() if r.status == ClaimStatus.CLAIMED and r.scheduled_at > now]
+        # An instant's occurrences are claimed (and, by the overlap guard, skipped) up to a moment
+        # before it: such a row is the next fire, not the last outcome, whatever its status. The
+        # last is the newest occurrence whose instant has come (a few schedules at most).
+        ahead = sorted({n for n, r in latest.items() if r.scheduled_at > now}
+                       | {n for n, s in self.states.items()
+                          if s.last_occurrence is not None and s.last_occurrence > now})
         before = st.latest_claims_before(ahead, now)
         self.last_at: Dict[str, Optional[datetime]] = {}
         for name in ahead:
             row = before.get(name)
             self.last_at[name] = row.scheduled_at if row is not None else None
             if row is None:
-                del latest[name]
+                latest.pop(name, None)
             else:
                 latest[name] = row
         self.controls = {c.name: c for c in st.controls(names, active_only=True)}
+        self._ledger: Dict[str, bool] = {}
+
+    @property
+    def settings(self) -> Optional[Settings]:
+        """The app's settings, read on first use, for the overlap policy an entry gets by default
+        (None when they do not validate: the policy is then not shown, the list still is)."""
+        if self._settings is None:
+            try:
+                self._settings = load_settings_of(self.app)
+            except ConfigError:
+                self._settings = False  # type: ignore[assignment]  # tried: do not read them again
+        return self._settings or None
+
+    def overlap(self, entry: Entry) -> Optional[str]:
+        """*entry*'s overlap policy as the leader applies it (``OverlapGuard.policy``, which this
+        layer may not import: the same rules): as written on the entry or in ``cluster_beat_overlap``;
+        by default ``skip`` for a ledger task, ``allow`` for one whose results are ignored."""
+        if entry.overlap:
+            return OverlapPolicy(entry.overlap).value
+        settings = self.settings
+        if settings is None:
+            return None
+        if settings.overlap_explicit:
+            return settings.overlap.value
+        ledger = self._ledger.get(entry.task)
+        if ledger is None:
+            ledger = self._ledger[entry.task] = uses_ledger(self.app, entry.task)
+        if ledger:
+            return OverlapPolicy.SKIP.value
+        if settings.overlap != OverlapPolicy.ALLOW and ignores_results(self.app, entry):
+            return OverlapPolicy.ALLOW.value
+        return settings.overlap.value
 
     def info(self, name: str, task: str, source: str, rule: Any, text: str, zone: Optional[str], enabled: bool,
-             owner: Optional[str] = None, description: str = "", problem: Optional[str] = None) -> ScheduleInfo:
+             owner: Optional[str] = None, description: str = "", problem: Optional[str] = None,
+             overlap: Optional[str] = None) -> ScheduleInfo:
         control = self.controls.get(name)
         paused = bool(control and control.paused)
         state = self.states.get(name)
@@ -302,12 +364,15 @@ class ScheduleReads:
             last_reason=last.reason if last else None, last_sent_at=state.last_sent_at if state else None,
             last_error=state.last_error if state else None, last_error_at=state.last_error_at if state else None,
             counters=counters, owner=owner, description=description or "", problem=problem,
+            paused_note=control.paused_note if paused and control else None, overlap=overlap,
+            rule=rule_words(rule, zone) if rule is not None else None,
+            compact=compact(rule) if rule is not None else None,
         )
 
     def config_info(self, name: str, entry: Entry) -> ScheduleInfo:
         text, zone = _describe(self.app, entry.schedule)
         return self.info(name, entry.task, "config", entry.schedule, text, zone, entry.enabled,
-                         description=entry.description)
+                         description=entry.description, overlap=self.overlap(entry))
 
     def stored_info(self, row: StoredRow) -> ScheduleInfo:
         try:
@@ -317,7 +382,15 @@ class ScheduleReads:
                              description=row.description or "", problem="; ".join(exc.problems))
         text, zone = _describe(self.app, entry.schedule)
         return self.info(row.name, row.task, "stored", entry.schedule, text, zone, row.enabled, owner=row.owner,
-                         description=row.description or "")
+                         description=row.description or "", overlap=self.overlap(entry))
+
+
+def paused_info(store: ClaimStore, name: str) -> Optional[PausedInfo]:
+    """Who paused schedule *name*, when and why; None when it is not paused."""
+    for c in store.controls([name]):
+        if c.paused:
+            return PausedInfo(name=c.name, paused_at=c.paused_at, paused_by=c.paused_by, paused_note=c.paused_note)
+    return None
 
 
 def history(app: Any, name: str, limit: int = 50, store: Optional[ClaimStore] = None) -> List[HistoryRow]:

@@ -12,7 +12,8 @@ asked, at most 500) in this order, and says how many there are in all:
    :data:`OVERDUE_AFTER` seconds past (nobody sends it: no leader, or a stuck one);
 4. the rest;
 
-each group by next fire, soonest first, then by name. A filter (``query``) keeps the
+each group by next fire, soonest first, then by name (``sort``: by name, next fire or last
+occurrence instead; ``state``: only the schedules in one state, :class:`StateFilter`). A filter (``query``) keeps the
 names that contain it, ignoring the case of ASCII letters (and only theirs: ``É`` matches ``É``,
 not ``é``), for config entries and stored schedules alike in every database
 (:func:`~celery_cluster_beat.store.pagequeries.fold`). A stored row named like a config entry
@@ -37,12 +38,14 @@ from ..config.entries import Entry
 from ..config.settings import Settings
 from ..errors import ScheduleError
 from ..store import ClaimStore
-from ..store.pagequeries import RANKS, Attention, ScheduleMark, fold, rank
+from ..store.pagequeries import RANKS, Attention, PageOrder, ScheduleMark, StateFilter, fold, rank
+from ..store.schema import ClaimRow
 from .records import ScheduleInfo
 from .report import Opened, ScheduleReads, config_entries, load_settings_of
 
-__all__ = ["SchedulePage", "PageRow", "NextFires", "Attention", "schedule_page", "page_params",
-           "PAGE_LIMIT", "PAGE_LIMIT_MAX", "QUERY_MAX", "OVERDUE_AFTER"]
+__all__ = ["SchedulePage", "PageRow", "NextFires", "Attention", "StateFilter", "PageOrder", "schedule_page",
+           "page_params", "view_params", "PAGE_LIMIT", "PAGE_LIMIT_MAX", "QUERY_MAX", "OVERDUE_AFTER",
+           "ScheduleDetail", "schedule_detail", "UPCOMING", "RECENT_RUNS"]
 
 #: Schedules the page shows unless asked for another number ...
 PAGE_LIMIT = 100
@@ -63,11 +66,17 @@ class PageRow:
 
     attention: Optional[Attention]
     schedule: ScheduleInfo
+    #: The claim row of its last occurrence, with the worker's ledger columns (run state, runtime,
+    #: error, worker): None when nothing was recorded or the row was pruned.
+    last_run: Optional[ClaimRow] = None
 
     def as_dict(self) -> Dict[str, Any]:
         """The schedule's record (:meth:`ScheduleInfo.as_dict`, JSON-safe) with ``attention`` beside
         its fields: one flat object a row, as the page and a dashboard read it."""
-        return {"attention": self.attention.value if self.attention else None, **self.schedule.as_dict()}
+        run = self.last_run
+        return {"attention": self.attention.value if self.attention else None, **self.schedule.as_dict(),
+                "last_runtime": run.runtime if run is not None else None,
+                "last_run_error": run.run_error if run is not None else None}
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,10 @@ class SchedulePage:
     limit: int
     query: Optional[str]
     now: datetime  #: the database's clock
+    state: Optional[StateFilter] = None
+    order: PageOrder = PageOrder.ATTENTION
+    running: int = 0  #: of the matching ones, how many have their last occurrence's run running
+    matching: Optional[int] = None  #: of the matching ones, how many are in ``state`` (None: no state asked)
 
     @property
     def shown(self) -> int:
@@ -94,6 +107,8 @@ class SchedulePage:
         return {"shown": self.shown, "total": self.total, "config_total": self.config_total,
                 "stored_total": self.stored_total, "counts": {a.value: n for a, n in self.counts.items()},
                 "limit": self.limit, "query": self.query, "now": self.now.isoformat(),
+                "state": self.state.value if self.state else None, "sort": self.order.value,
+                "running": self.running, "matching": self.matching,
                 "schedules": [r.as_dict() for r in self.rows]}
 
 
@@ -118,6 +133,20 @@ def page_params(limit: Any = None, query: Any = None) -> Tuple[int, Optional[str
         if not query.isprintable():
             raise ValueError("q: printable characters only")
     return limit, (query or None)
+
+
+def view_params(state: Any = None, sort: Any = None) -> Tuple[Optional[StateFilter], PageOrder]:
+    """(state, order) checked: *state* one of :class:`StateFilter` ('' or None: every state), *sort*
+    one of :class:`PageOrder` ('' or None: by attention). ValueError saying which and why otherwise."""
+    try:
+        chosen = StateFilter(state) if state else None
+    except ValueError:
+        raise ValueError(f"state: expected one of {', '.join(s.value for s in StateFilter)}") from None
+    try:
+        order = PageOrder(sort) if sort else PageOrder.ATTENTION
+    except ValueError:
+        raise ValueError(f"sort: expected one of {', '.join(o.value for o in PageOrder)}") from None
+    return chosen, order
 
 
 class NextFires:
@@ -181,20 +210,42 @@ def _config_attention(name: str, entry: Entry, mark: Optional[ScheduleMark], now
     return attention, fires.after_now(name, entry.schedule, now)
 
 
-def _key(attention: Optional[Attention], next_fire: Optional[datetime], name: str) -> Tuple[int, int, datetime, str]:
-    """Sort key of the page: attention, then next fire (none last), then name."""
-    at = next_fire.replace(tzinfo=None) if next_fire is not None else _NEVER
-    return rank(attention), next_fire is None, at, name
+def _naive(at: Optional[datetime]) -> datetime:
+    return at.replace(tzinfo=None) if at is not None else _NEVER
+
+
+def _key(order: PageOrder, attention: Optional[Attention], next_fire: Optional[datetime],
+         last: Optional[datetime], name: str) -> Tuple[Any, ...]:
+    """Sort key of the page in *order*, the name last (as the database orders stored schedules)."""
+    if order is PageOrder.NAME:
+        return (name,)
+    if order is PageOrder.NEXT:
+        return next_fire is None, _naive(next_fire), name
+    if order is PageOrder.LAST:  # newest first: the distance before the far future sorts ascending
+        return last is None, (_NEVER - _naive(last)) if last is not None else timedelta(0), name
+    return rank(attention), next_fire is None, _naive(next_fire), name
+
+
+def _in_state(state: Optional[StateFilter], attention: Optional[Attention], running: bool) -> bool:
+    if state is None:
+        return True
+    if state is StateFilter.RUNNING:
+        return running
+    if state is StateFilter.OK:
+        return attention is None
+    return attention is not None and attention.value == state.value
 
 
 def schedule_page(app: Any, store: Optional[ClaimStore] = None, *, limit: Any = None, query: Any = None,
                   settings: Optional[Settings] = None, entries: Optional[Dict[str, Entry]] = None,
-                  fires: Optional[NextFires] = None) -> SchedulePage:
+                  fires: Optional[NextFires] = None, state: Any = None, sort: Any = None) -> SchedulePage:
     """The first *limit* schedules by relevance (see the module docstring), of those whose name
-    contains *query*. *entries* (the config's, validated) and *fires* are what a caller building
-    the page again and again keeps; they are built for the call otherwise. ValueError for a bad
-    *limit* or *query* (:func:`page_params`); the store's errors are raised (StoreUnavailable)."""
+    contains *query* (and are in *state*, ordered by *sort*). *entries* (the config's, validated)
+    and *fires* are what a caller building the page again and again keeps; they are built for the
+    call otherwise. ValueError for a bad *limit*, *query*, *state* or *sort* (:func:`page_params`,
+    :func:`view_params`); the store's errors are raised (StoreUnavailable)."""
     limit, query = page_params(limit, query)
+    chosen_state, order = view_params(state, sort)
     settings = settings or load_settings_of(app)
     entries = config_entries(app) if entries is None else entries
     fires = fires or NextFires()
@@ -202,33 +253,119 @@ def schedule_page(app: Any, store: Optional[ClaimStore] = None, *, limit: Any = 
     names = sorted(n for n in entries if folded is None or folded in fold(n))
     with Opened(app, store, settings) as st:
         stored = st.stored_page(limit=limit, contains=query, grace=settings.claim_grace, overdue=OVERDUE_AFTER,
-                                exclude=names)
+                                exclude=names, state=chosen_state, order=order)
         now = stored.now
         marks = st.schedule_marks(names, grace=settings.claim_grace)
         counts = dict(stored.counts)
-        keys: List[Tuple[Tuple[int, int, datetime, str], Optional[Attention]]] = []
+        running = stored.running
+        matching = stored.matching or 0
+        keys: List[Tuple[Tuple[Any, ...], str, Optional[Attention]]] = []
         for name in names:
-            attention, next_fire = _config_attention(name, entries[name], marks.get(name), now, fires)
+            mark = marks.get(name)
+            attention, next_fire = _config_attention(name, entries[name], mark, now, fires)
             if attention is not None:
                 counts[attention] = counts.get(attention, 0) + 1
-            keys.append((_key(attention, next_fire, name), attention))
-        keys.extend((_key(e.attention, e.next_at, e.name), e.attention) for e in stored.entries
+            is_running = bool(mark is not None and mark.running)
+            running += is_running
+            if _in_state(chosen_state, attention, is_running):
+                matching += 1
+                keys.append((_key(order, attention, next_fire, mark.last if mark else None, name), name, attention))
+        keys.extend((_key(order, e.attention, e.next_at, e.last, e.name), e.name, e.attention)
+                    for e in stored.entries
                     if e.name not in entries)  # named like an entry since the read above: beat schedules the entry
         chosen = heapq.nsmallest(limit, keys)
-        shown = [key[3] for key, _ in chosen]
+        shown = [name for _, name, _ in chosen]
         rows = {r.name: r for r in st.stored_get([n for n in shown if n not in entries])}
         reads = ScheduleReads(app, st, shown, now=now)
     page_rows = []
-    for key, attention in chosen:
-        name = key[3]
+    for _, name, attention in chosen:
         if name in entries:
             info = reads.config_info(name, entries[name])
         elif name in rows:
             info = reads.stored_info(rows[name])
         else:  # removed between the two reads
             continue
-        page_rows.append(PageRow(attention, info))
+        page_rows.append(PageRow(attention, info, reads.latest.get(name)))
     fires.retain(entries)
     return SchedulePage(rows=tuple(page_rows), total=len(names) + stored.total, config_total=len(names),
                         stored_total=stored.total, counts={a: counts.get(a, 0) for a in RANKS}, limit=limit,
-                        query=query, now=now)
+                        query=query, now=now, state=chosen_state, order=order, running=running,
+                        matching=matching if chosen_state is not None else None)
+
+
+# ----------------------------------------------------------------------------- one schedule
+
+#: The schedule page lists this many of its next fires ...
+UPCOMING = 10
+#: ... and this many of its latest occurrences (claim rows with the worker's ledger columns).
+RECENT_RUNS = 50
+
+
+@dataclass(frozen=True)
+class ScheduleDetail:
+    """One schedule as its page shows it: what ``list`` says of it, why it needs attention, its
+    next fires, and its latest occurrences newest first (``info`` None: a removed schedule whose
+    occurrences are still recorded)."""
+
+    name: str
+    info: Optional[ScheduleInfo]
+    attention: Optional[Attention]
+    running: bool
+    upcoming: Tuple[datetime, ...]
+    recent: Tuple[ClaimRow, ...]
+    now: datetime  #: the database's clock
+
+
+def _upcoming(rule: Any, now: datetime, count: int) -> Tuple[datetime, ...]:
+    out: List[datetime] = []
+    at = now
+    for _ in range(count):
+        try:
+            at = rule.next_fire(at)
+        except (ScheduleError, ValueError):
+            break
+        if at is None:
+            break
+        out.append(at)
+    return tuple(out)
+
+
+def schedule_detail(app: Any, store: Optional[ClaimStore] = None, name: str = "", *,
+                    settings: Optional[Settings] = None, entries: Optional[Dict[str, Entry]] = None,
+                    recent: int = RECENT_RUNS, upcoming: int = UPCOMING) -> Optional[ScheduleDetail]:
+    """Schedule *name*'s page (see :class:`ScheduleDetail`), or None when no schedule has that name
+    and none had occurrences recorded. A bounded read: its row, its marks, and the last *recent*
+    claim rows (``ORDER BY scheduled_at DESC LIMIT``)."""
+    from ..dynamic.convert import entry_from_row
+
+    if not isinstance(name, str) or not name or len(name) > QUERY_MAX:
+        return None
+    settings = settings or load_settings_of(app)
+    entries = config_entries(app) if entries is None else entries
+    with Opened(app, store, settings) as st:
+        now = st.db_now()
+        rows = [] if name in entries else st.stored_get([name])
+        recent_rows = tuple(st.recent_claims(name, limit=max(1, min(recent, 500))))
+        if name not in entries and not rows and not recent_rows:
+            return None
+        mark = st.schedule_marks([name], grace=settings.claim_grace).get(name)
+        reads = ScheduleReads(app, st, [name], now=now)
+    rule: Any = None
+    info: Optional[ScheduleInfo] = None
+    attention: Optional[Attention] = None
+    if name in entries:
+        info, rule = reads.config_info(name, entries[name]), entries[name].schedule
+        attention = _config_attention(name, entries[name], mark, now, NextFires())[0]
+    elif rows:
+        info = reads.stored_info(rows[0])
+        try:
+            rule = entry_from_row(rows[0], app=app).schedule
+        except Exception:  # noqa: BLE001 - a row that does not validate: its problem is shown, no fires
+            rule = None
+        if mark is not None and mark.failing:
+            attention = Attention.FAILING
+        elif info.paused:
+            attention = Attention.PAUSED
+    fires = _upcoming(rule, now, upcoming) if rule is not None and info is not None and info.enabled else ()
+    return ScheduleDetail(name=name, info=info, attention=attention, running=bool(mark and mark.running),
+                          upcoming=fires, recent=recent_rows, now=now)

@@ -13,6 +13,7 @@ the first request, so its claim (and task id) is one of its own.
 """
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from dataclasses import dataclass, fields
 from datetime import datetime
@@ -24,6 +25,35 @@ from ..base import MAX_NAME_LENGTH, clip
 from .dialects.base import chunks
 from .errors import database_errors
 from .schema import controls_table, schedule_version_table
+
+#: Longest pause note kept (characters): a sentence for the screen, not a document.
+MAX_NOTE_LENGTH = 500
+
+
+def pause_note(note: Optional[str]) -> Optional[str]:
+    """*note* as stored: stripped, clipped to :data:`MAX_NOTE_LENGTH`, None when empty.
+
+    ValueError for text a terminal would act on (control characters other than tab and line
+    breaks, bidi controls, NUL, lone surrogates): the rule of a new description
+    (``config.values.description_problem``, which this layer may not import), checked before
+    anything is written."""
+    if note is None:
+        return None
+    if not isinstance(note, str):
+        raise ValueError(f"a pause note must be text, got {type(note).__name__}")
+    note = note.strip()
+    for i, ch in enumerate(note):
+        if ch in _BIDI_CONTROLS:
+            raise ValueError(f"the pause note contains a bidi control ({ch!r} at {i}), "
+                             "which would change what operators read")
+        if (unicodedata.category(ch) == "Cc" and ch not in "\t\n\r") or unicodedata.category(ch) == "Cs":
+            raise ValueError(f"the pause note contains a control character ({ch!r} at {i}), "
+                             "which would change what operators read")
+    return clip(note, MAX_NOTE_LENGTH) or None
+
+
+#: Bidi embeddings, overrides and isolates: they reorder what follows them on an operator's screen.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 if TYPE_CHECKING:  # pragma: no cover
     from sqlalchemy.engine import Connection
@@ -42,13 +72,25 @@ class ControlRow:
     run_requested_at: Optional[datetime]
     run_requested_by: Optional[str]
     version: int
+    #: Why it was paused, in the operator's words (None: no note, or not paused). Last, with a
+    #: default, so rows built by position before it existed still read right.
+    paused_note: Optional[str] = None
 
 
 _FIELDS = [f.name for f in fields(ControlRow)]
 
 
-def _row(r: Any) -> ControlRow:
+def control_row(r: Any) -> ControlRow:
+    """A :class:`ControlRow` of a row selected with :func:`control_columns`."""
     return ControlRow(*(bool(v) if k == "paused" else v for k, v in zip(_FIELDS, r)))
+
+
+_row = control_row
+
+
+def control_columns() -> List[Any]:
+    """The columns of ``cluster_beat_controls`` a :class:`ControlRow` holds, in its order."""
+    return [controls_table.c[f] for f in _FIELDS]
 
 
 def bump_version(conn: "Connection") -> int:
@@ -76,9 +118,15 @@ class ControlQueries:
         return None if r is None else _row(r)
 
     @database_errors
-    def set_paused(self, name: str, paused: bool, *, by: Optional[str] = None) -> Tuple[int, bool]:
-        """Pause or resume schedule *name*; (the change counter's new value, whether it changed)."""
+    def set_paused(self, name: str, paused: bool, *, by: Optional[str] = None,
+                   note: Optional[str] = None) -> Tuple[int, bool]:
+        """Pause or resume schedule *name*; (the change counter's new value, whether it changed).
+
+        *note*: why it is paused, shown to operators (clipped to :data:`MAX_NOTE_LENGTH`
+        characters; ValueError for control or bidi characters). Pausing a schedule paused already
+        with a note replaces the note; resuming clears it."""
         self._check(name)
+        note = pause_note(note) if paused else None
         c = controls_table
 
         def work(conn: "Connection") -> Tuple[int, bool]:
@@ -88,10 +136,12 @@ class ControlQueries:
             values: dict = {"paused": paused, "version": version}
             if changed:
                 now = self._now(conn)
-                values.update(paused_at=now if paused else None,
+                values.update(paused_at=now if paused else None, paused_note=note,
                               paused_by=clip(by, MAX_NAME_LENGTH) if (paused and by) else None)
                 if not paused:
                     values["resumed_at"] = now
+            elif paused and note is not None:
+                values["paused_note"] = note  # paused already: the new reason replaces the old one
             conn.execute(sa.update(c).where(c.c.name == name).values(**values))
             return version, changed
 

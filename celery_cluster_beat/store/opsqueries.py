@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 import sqlalchemy as sa
 
+from .controls import ControlRow, control_columns, control_row
 from .dialects.base import chunks
 from .errors import database_errors
 from .schema import (
@@ -47,6 +48,8 @@ class StoreOverview:
     unsent: int  #: rows still ``claimed`` although claimed longer than the grace ago
     unsent_rows: Tuple[ClaimRow, ...]  #: the oldest of them (at most the limit asked)
     paused_count: Optional[int] = None  #: how many are paused, when ``paused`` was limited
+    #: The control rows of ``paused``, same order: who paused each, when, and why.
+    paused_rows: Tuple[ControlRow, ...] = ()
 
 
 class OpsQueries:
@@ -72,14 +75,17 @@ class OpsQueries:
             version = conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")).scalar()
             leader = conn.execute(sa.select(lt.c.term, lt.c.node, lt.c.updated_at).where(lt.c.id == 1)).first()
             nodes = conn.execute(
-                sa.select(n.c.node, n.c.started_at, n.c.heartbeat_at, n.c.scheduling, n.c.clock_offset)
+                sa.select(n.c.node, n.c.started_at, n.c.heartbeat_at, n.c.scheduling, n.c.clock_offset,
+                          n.c.stopped_at)
                 .where(n.c.heartbeat_at >= now - timedelta(seconds=recent))
                 .order_by(n.c.heartbeat_at.desc(), n.c.node)).all()
             s = stored_schedules_table
             stored = conn.execute(sa.select(sa.func.count()).select_from(s).where(s.c.deleted == sa.false())).scalar()
             k = controls_table
-            paused = conn.execute(sa.select(k.c.name).where(k.c.paused == sa.true()).order_by(k.c.name)
-                                  .limit(paused_limit)).scalars().all()  # limit None: all of them
+            paused_rows = [control_row(r) for r in conn.execute(
+                sa.select(*control_columns()).where(k.c.paused == sa.true()).order_by(k.c.name)
+                .limit(paused_limit))]  # limit None: all of them
+            paused = [r.name for r in paused_rows]
             paused_count = None if paused_limit is None else conn.execute(
                 sa.select(sa.func.count()).select_from(k).where(k.c.paused == sa.true())).scalar()
             # One SELECT: the oldest unsent rows with their total count (a window function,
@@ -94,10 +100,11 @@ class OpsQueries:
                 term=int(leader.term) if leader is not None else 0,
                 term_node=(leader.node or None) if leader is not None else None,
                 term_at=leader.updated_at if leader is not None else None,
-                nodes=tuple(NodeState(r.node, r.started_at, r.heartbeat_at, bool(r.scheduling), r.clock_offset)
-                            for r in nodes),
+                nodes=tuple(NodeState(r.node, r.started_at, r.heartbeat_at, bool(r.scheduling), r.clock_offset,
+                                      r.stopped_at) for r in nodes),
                 stored_schedules=int(stored or 0),
                 paused=tuple(paused),
+                paused_rows=tuple(paused_rows),
                 paused_count=len(paused) if paused_count is None else int(paused_count),
                 unsent=int(late[0].total) if late else 0,
                 unsent_rows=tuple(ClaimRow(*r[:len(_CLAIM_FIELDS)]) for r in late[:unsent_limit]),

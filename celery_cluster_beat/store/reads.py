@@ -123,12 +123,14 @@ class StateQueries:
         n = nodes_table
         rows = self._run(
             lambda conn: conn.execute(
-                sa.select(n.c.node, n.c.started_at, n.c.heartbeat_at, n.c.scheduling, n.c.clock_offset)
+                sa.select(n.c.node, n.c.started_at, n.c.heartbeat_at, n.c.scheduling, n.c.clock_offset,
+                          n.c.stopped_at)
                 .order_by(n.c.heartbeat_at.desc(), n.c.node)
             ).all(),
             write=False,
         )
-        return [NodeState(*row) for row in rows]
+        return [NodeState(r.node, r.started_at, r.heartbeat_at, bool(r.scheduling), r.clock_offset, r.stopped_at)
+                for r in rows]
 
     @_database_errors
     def claims(

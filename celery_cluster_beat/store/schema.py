@@ -19,7 +19,7 @@ from .types import NameType, UTCDateTime, naive_utc  # noqa: F401  (naive_utc: i
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class ClaimStatus(StrEnum):
@@ -160,6 +160,9 @@ nodes_table = sa.Table(
     sa.Column("heartbeat_at", UTCDateTime(), nullable=False),
     sa.Column("scheduling", sa.Boolean(), nullable=False, server_default=sa.false()),
     sa.Column("clock_offset", sa.Float(), nullable=True),  # seconds: database clock minus the node's
+    # Set (database clock) when the node shut down cleanly, cleared when it starts again: lets
+    # operators tell "stopped" (a deploy, SIGTERM) from "gone" (heartbeat lost, a crash).
+    sa.Column("stopped_at", UTCDateTime(), nullable=True),
     sa.Index("ix_cluster_beat_nodes_heartbeat_at", "heartbeat_at"),
     **_MYSQL_TABLE,
 )
@@ -208,6 +211,8 @@ controls_table = sa.Table(
     sa.Column("paused", sa.Boolean(), nullable=False, server_default=sa.false()),
     sa.Column("paused_at", UTCDateTime(), nullable=True),
     sa.Column("paused_by", sa.String(MAX_NAME_LENGTH), nullable=True),
+    # Why it was paused, in the operator's words (shown by list, status and the page).
+    sa.Column("paused_note", sa.Text(), nullable=True),
     # When it was last resumed (database clock): any leader, now or after a failover, starts
     # it from here, so the paused time is never caught up.
     sa.Column("resumed_at", UTCDateTime(), nullable=True),
@@ -322,6 +327,10 @@ class NodeState:
     heartbeat_at: datetime
     scheduling: bool
     clock_offset: float | None
+    #: When it shut down cleanly (database clock); None while it runs, after a crash, and once it
+    #: starts again. A node whose heartbeat is not newer than this stopped; one whose heartbeat
+    #: lapsed without it is gone.
+    stopped_at: datetime | None = None
 
 
 def _add_column(table: sa.Table, name: str) -> Any:
@@ -330,7 +339,10 @@ def _add_column(table: sa.Table, name: str) -> Any:
     def step(conn: Any) -> None:
         # Idempotent: MySQL/MariaDB commit DDL at once, so a node stopped between this
         # step and the version stamp leaves the column behind for the next opener.
-        if name in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
+        inspector = sa.inspect(conn)
+        if not inspector.has_table(table.name):
+            return  # a table newer than the store (nodes before version 2): create_all makes it whole
+        if name in {c["name"] for c in inspector.get_columns(table.name)}:
             return
         col = table.c[name]
         ddl = col.type.compile(dialect=conn.dialect)
@@ -356,4 +368,5 @@ MIGRATIONS = {
                                                  "finished_at", "runtime", "run_error", "duplicates")],
     3: [*(_add_column(claims_table, c) for c in ("run_process", "run_attempt", "check_token", "check_at")),
         lambda conn: _attempts_from_tokens(conn)],
+    4: [_add_column(nodes_table, "stopped_at"), _add_column(controls_table, "paused_note")],
 }

@@ -136,16 +136,35 @@ class TakeoverQueries:
         """Record that this node is alive (by the database's clock) and return that time.
 
         *register* starts a new incarnation: claims this node id made before
-        now count as a stopped node's and may be taken over.
+        now count as a stopped node's and may be taken over, and a clean stop
+        recorded of an earlier one (:meth:`node_stopped`) is cleared.
         """
 
         def work(conn: Connection) -> datetime:
             now = self._now(conn)
             row = {"node": self.node_id, "started_at": now, "heartbeat_at": now, "scheduling": bool(scheduling),
-                   "clock_offset": clock_offset}
-            assign = ("heartbeat_at", "scheduling", "clock_offset") + (("started_at",) if register else ())
+                   "clock_offset": clock_offset, "stopped_at": None}
+            assign = ("heartbeat_at", "scheduling", "clock_offset") + (("started_at", "stopped_at") if register else ())
             self._dialect.upsert(conn, nodes_table, [row], "node", Merge(assign=assign))
             return now
+
+        return self._run(work)
+
+    @_database_errors
+    def node_stopped(self) -> datetime | None:
+        """Record that this node shut down cleanly (database clock) and no longer schedules; the
+        time recorded, None when the node never heartbeated (no row to mark).
+
+        Only what operators read: ``status`` shows the node ``stopped`` rather than ``gone``.
+        Whether its claims may be taken over is judged as before (:meth:`take_over_stale`
+        reads neither column), so a clean stop changes no hand-over."""
+        n = nodes_table
+
+        def work(conn: Connection) -> datetime | None:
+            now = self._now(conn)
+            result = conn.execute(sa.update(n).where(n.c.node == self.node_id)
+                                  .values(stopped_at=now, scheduling=False))
+            return now if result.rowcount else None
 
         return self._run(work)
 

@@ -319,7 +319,7 @@ def test_pause_and_resume_config_and_stored_schedules_across_a_restart(tmp_path,
     assert (listed["tick"]["paused"], listed["tick"]["source"], listed["tick"]["next_fire"]) == (True, "config", None)
     assert (listed["st"]["paused"], listed["st"]["source"]) == (True, "stored")
     assert listed["other"]["paused"] is False and listed["tick"]["paused_by"]
-    assert re.search(r"^tick .* config +paused ", cli(app, "list").stdout, re.M)
+    assert re.search(r"^tick +paused +every second +- ", cli(app, "list").stdout, re.M)
     assert cli_json(app, "status")["paused"] == ["st", "tick"]
 
     def last_seen(name: str) -> float:

@@ -36,6 +36,7 @@ CLAIMANT = "node\x1b]0;pwned\x07"
 REASON = "boom\x1b[2J\nline two"
 DESCRIPTION = "\u202eevil\x1b[31m"
 OWNER = "own\x1b[5m\u200d"
+NOTE = "why\x1b[2J\u202e\nfake"  # written past the API (which refuses it)
 
 
 def invoke(app: Celery, *args: str) -> Result:
@@ -72,7 +73,9 @@ def hostile(tmp_path_factory):
             description=DESCRIPTION, owner=OWNER, enabled=True, deleted=False, version=1, created_at=now,
             changed_at=now, next_at=None))
         conn.execute(sa.insert(controls_table).values(name=PAUSED, paused=True, paused_at=now,
-                                                      paused_by="op\x1b[2J", version=1))
+                                                      paused_by="op\x1b[2J", paused_note=NOTE, version=1))
+        conn.execute(sa.insert(controls_table).values(name="tick", paused=True, paused_at=now,
+                                                      paused_by="op\x1b[2J", paused_note=NOTE, version=1))
         conn.execute(sa.insert(nodes_table).values(node=NODE, started_at=now, heartbeat_at=now, scheduling=True))
         conn.execute(sa.insert(claims_table), [
             dict(schedule=EVIL, scheduled_at=now - timedelta(minutes=m), claimed_at=now - timedelta(minutes=m),
@@ -87,12 +90,20 @@ def hostile(tmp_path_factory):
 
 
 def test_list_shows_a_hostile_stored_name_escaped_on_one_row(hostile):
-    r = invoke(hostile, "list")
-    assert r.exit_code == 0, r.output
-    assert unprintable(r.output) == [], r.output
-    table = r.output.split("\n\n")[0].splitlines()
-    assert len(table) == 3, r.output  # the header, tick, and the hostile row: no fake row
-    assert table[2].startswith("evil\\x1b[2J\\nfake  row  config  enabled  "), table
+    for wide in ((), ("--wide",)):
+        r = invoke(hostile, "list", *wide)
+        assert r.exit_code == 0, r.output
+        assert unprintable(r.output) == [], r.output
+        sections = r.output.split("\n\n")
+        table = sections[0].splitlines()
+        assert len(table) == 3, r.output  # the header, tick, and the hostile row: no fake row
+        assert table[2].startswith("evil\\x1b[2J\\nfake  row  config  enabled  "), table
+        after_name = "t.record" if wide else "invalid"  # --wide: TASK next; else STATE
+        assert table[2].split("  ")[:5] == ["evil\\x1b[2J\\nfake", "row", "config", "enabled", after_name], table
+        # tick is paused; who paused it and why are stored text too: escaped, one line.
+        shown = "\n".join(sections)
+        assert "op\\x1b[2J" in shown and "why\\x1b[2J\\u202e\\nfake" in shown, r.output
+        assert len([line for line in shown.splitlines() if "why" in line]) == 1, r.output  # its row or PAUSED
 
 
 def test_status_shows_hostile_node_names_paused_names_and_reasons_escaped(hostile):
@@ -100,7 +111,9 @@ def test_status_shows_hostile_node_names_paused_names_and_reasons_escaped(hostil
     assert r.exit_code == 0, r.output
     assert unprintable(r.output) == [], r.output
     assert "host\\u202e\\x1b[5m" in r.output
-    assert "1 paused: held\\u2028\\x9b31m" in r.output
+    assert "2 paused: held\\u2028\\x9b31m, tick" in r.output
+    notes = [line for line in r.output.splitlines() if "why\\x1b[2J\\u202e\\nfake" in line]
+    assert len(notes) == 2 and notes[0].startswith("held\\u2028\\x9b31m  op\\x1b[2J  "), notes
     unsent = [line for line in r.output.splitlines() if line.startswith("evil")]
     assert len(unsent) == 1 and "node\\x1b]0;pwned\\x07" in unsent[0] and "boom\\x1b[2J\\nline two" in unsent[0]
 
@@ -111,6 +124,10 @@ def test_history_shows_hostile_nodes_and_errors_escaped(hostile):
     assert unprintable(r.output) == [], r.output
     rows = r.output.splitlines()
     assert len(rows) == 3, r.output  # the header and the two occurrences
+    paused = invoke(hostile, "history", "tick")
+    assert unprintable(paused.output) == [] and paused.output.splitlines()[0] == (
+        "tick is paused by op\\x1b[2J since " + paused.output.splitlines()[0].split(" since ")[1]), paused.output
+    assert paused.output.splitlines()[0].endswith(": why\\x1b[2J\\u202e\\nfake"), paused.output
     assert all("node\\x1b]0;pwned\\x07" in row for row in rows[1:])
     assert "boom\\x1b[2J\\nline two" in rows[1]  # the failed one's reason
 

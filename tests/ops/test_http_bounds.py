@@ -390,6 +390,7 @@ def test_real_beat_survives_2000_idle_connections_and_their_reset(tmp_path, redi
 
 @pytest.mark.timeout(60)
 def test_the_page_shows_names_as_they_are_and_a_megabyte_description_costs_no_more_than_its_size():
+    from celery_cluster_beat.ops.dashboard import DESCRIPTION_SHOWN
     from celery_cluster_beat.ops.http import render_page
     from celery_cluster_beat.ops.pagehtml import MAX_SHOWN
 
@@ -397,13 +398,17 @@ def test_the_page_shows_names_as_they_are_and_a_megabyte_description_costs_no_mo
     schedules = [{"name": name, "description": "team:billing@corp <b>x</b>"},
                  {"name": "big", "description": ":" * 1_000_000},
                  {"name": "big2", "description": "a:b@" * 250_000}]
+    status = {"db_url": "postgresql://u:***@h/db"}
+    empty = render_page(title="t", node="n", status=status, schedules=[])
     started = time.perf_counter()
-    page = render_page(title="t", node="n", status={"db_url": "postgresql://u:***@h/db"}, schedules=schedules)
+    page = render_page(title="t", node="n", status=status, schedules=schedules)
     took = time.perf_counter() - started
     assert took < 10.0, took  # the old masking took minutes on one such description (CPU-bound: a loaded machine)
     assert f">{name}<" in page and "team:billing@corp &lt;b&gt;x&lt;/b&gt;" in page
-    # A cell shows its first MAX_SHOWN characters and counts the rest: the page stays small.
-    assert ":" * MAX_SHOWN + "… (1,000,000 characters)" in page and len(page) < 20 * MAX_SHOWN
+    assert "postgresql://u:***@h/db" in page  # shown as read (masked there), escaped, never masked again
+    # A cell shows its first characters and counts the rest: the page stays small.
+    assert ":" * DESCRIPTION_SHOWN + "… (1,000,000 characters)" in page
+    assert len(page) - len(empty) < 20 * MAX_SHOWN, len(page) - len(empty)
 
 
 
@@ -479,3 +484,70 @@ def test_beat_wires_the_page_and_token_settings_into_its_server(tmp_path, page):
         assert request(server, "/", {"Authorization": f"Bearer {TOKEN}"})[0] in ((200, 503) if page else (404,))
     finally:
         ops.stop()
+
+
+class _FrozenOnce(LoopHealth):
+    """A health check that holds the selector thread (which answers /healthz inline) until released:
+    as when the whole beat process is stopped for a while (SIGSTOP, a VM paused, a 24 s GC)."""
+
+    def __init__(self) -> None:
+        super().__init__(margin=60)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def check(self):
+        if not self.release.is_set():
+            self.entered.set()
+            self.release.wait(30)
+        return super().check()
+
+
+def _hang_up(port: int, target: bytes, reset: bool) -> None:
+    """Send a request and close at once, without reading (with a reset if *reset*)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    if reset:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+@pytest.mark.timeout(60)
+def test_probes_and_clients_that_hang_up_before_the_answer_are_debug_lines_never_warnings():
+    """A probe polling /healthz of a frozen beat gives up and closes (or resets) its connections; when
+    the process resumes, writing their answers fails (broken pipe, reset). So does a page's answer to a
+    client gone before it was built. Each is one DEBUG line: no WARNING, no traceback."""
+    records = _Records()
+    log = logging.getLogger("celery_cluster_beat")
+    log.addHandler(records)
+    old_level = log.level
+    log.setLevel(logging.DEBUG)
+    health = _FrozenOnce()
+    big = "<p>" + "x" * 4_000_000 + "</p>"  # larger than any socket buffer: its write meets the reset
+
+    def page() -> str:
+        time.sleep(0.3)  # the client is gone by the time the answer is written
+        return big
+
+    server = OpsServer("127.0.0.1", 0, health=health, page=page).start()
+    try:
+        first = threading.Thread(target=_hang_up, args=(server.port, b"/healthz", False))
+        first.start()
+        assert health.entered.wait(10)  # the selector thread is now "frozen" inside the probe's answer
+        for i in range(20):
+            _hang_up(server.port, b"/healthz", reset=i % 2 == 0)
+        for i in range(4):
+            _hang_up(server.port, b"/", reset=i % 2 == 0)
+        health.release.set()  # the process resumes: every answer is written to a closed connection
+        first.join(10)
+        wait_for(lambda: server.open_connections() == 0 and server.page_builds >= 1, 30,
+                 what="every hung-up connection closed")
+        time.sleep(0.5)  # a pool thread may still be writing the page
+        assert request(server, "/healthz")[0] == 200
+    finally:
+        server.stop()
+        log.removeHandler(records)
+        log.setLevel(old_level)
+    bad = [r for r in records.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not bad, [(r.levelname, r.getMessage()) for r in bad]
+    dropped = [r.getMessage() for r in records.records if r.levelno == logging.DEBUG]
+    # the scenario happened: answers were written to connections already gone
+    assert any("BrokenPipeError" in m or "ConnectionResetError" in m for m in dropped), dropped

@@ -16,8 +16,10 @@ when the slot is its turn, else a 503 with ``Retry-After`` at once.
 """
 from __future__ import annotations
 
+import html
 import http.client
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -239,7 +241,15 @@ def test_the_limit_is_capped_and_defaults_to_100():
     assert page_params(None, "") == (PAGE_LIMIT, None)
     assert page_params("100000", "x") == (PAGE_LIMIT_MAX, "x")
     assert page_params("0", None) == (1, None)
-    assert ops_http.DEFAULT_VIEW == (PAGE_LIMIT, None)
+    assert (ops_http.DEFAULT_VIEW.limit, ops_http.DEFAULT_VIEW.query) == (PAGE_LIMIT, None)
+    assert ops_http.DEFAULT_VIEW == ops_http.page_view("") == ops_http.page_view("limit=100&q=&sort=attention")
+
+
+def _summary(body: str) -> str:
+    """The page's "showing N of M" line as text."""
+    found = re.search(r'<p class="summary" id="shown">(.*?)</p>', body, re.S)
+    assert found, body[:3000]
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", found.group(1)))).strip()
 
 
 def _get(port: int, target: str) -> Tuple[int, str]:
@@ -274,15 +284,22 @@ def test_hostile_names_and_filters_come_back_escaped_and_bad_parameters_are_a_40
         port = ops.server.port
         status, body = _get(port, "/")
         assert status == 200, body
-        assert f"showing 100 of {STORED + 4:,} schedules (6 failing, 1 paused, 1 overdue)" in body
-        assert "&lt;img src=x onerror=alert(1)&gt;&amp;&quot;&#x27;" in body
+        assert _summary(body) == (f"showing 100 of {STORED + 4:,} schedules · 6 failing, 1 paused, 1 overdue "
+                                  "· show up to 500"), _summary(body)
+        assert "&lt;img src=x onerror=alert(1)&gt;&amp;&#34;&#39;" in body  # every character escaped
         assert "<img" not in body and "<b>bold</b>" not in body and "<script" not in body.lower()
         assert 'href="?limit=500"' in body
         status, body = _get_view(port, "/?q=" + quote("<IMG src") + "&limit=99999")
         assert status == 200, body
         assert "showing 1 of 1 schedules whose name contains &#8220;&lt;IMG src&#8221;" in body
-        assert "at most 500 a page" in body and "<img" not in body.lower()
-        for target in ("/?limit=abc", "/?q=" + "x" * 256, "/?q=%1b%5b2J"):
+        assert "<img" not in body.lower() and 'name="limit" value="500"' in body  # capped, and kept by the filter bar
+        status, body = _get_view(port, "/?state=paused")
+        assert status == 200 and _summary(body).startswith("showing 1 of 1 paused schedules"), _summary(body)
+        assert f'href="/schedules/{quote(PAUSED, safe="")}"' in body
+        status, body = _get_view(port, "/?state=failing&sort=name&q=report")
+        names = re.findall(r'class="name" href="/schedules/([^"]+)"', body)
+        assert status == 200 and names == sorted(names) and len(names) == 4, names  # 3 missed, 1 unsent
+        for target in ("/?limit=abc", "/?q=" + "x" * 256, "/?q=%1b%5b2J", "/?state=broken", "/?sort=random"):
             status, body = _get(port, target)
             assert status == 400 and body.startswith("bad query: "), (target, status, body)
     finally:

@@ -1,0 +1,182 @@
+"""The dashboard's actions: run now, pause (with who and why) and resume, from a schedule's page.
+
+Off unless ``cluster_beat_http_actions_token`` is set: without it the dashboard has no forms and
+answers every POST ``405``, as the read-only page always did. With it, each schedule's page has
+three small forms, and an action is carried out only when all of these hold:
+
+* **POST** to ``/schedules/<name>/run|pause|resume``; a GET or HEAD of those paths is ``405``
+  (nothing ever changes on a GET: a prefetch, a crawler or a link in a chat cannot act);
+* **the actions token itself is in the request**, typed by the operator into the form (field
+  ``token``) or sent by a script as the ``X-Cluster-Beat-Actions-Token`` header, compared in
+  constant time. *Why the token itself, not a form token derived from it:* the page is shared
+  (cached for everyone, readable by anyone who may see it, with or without
+  ``cluster_beat_http_token``), so anything embedded in it, an HMAC of the token included, would
+  let every reader act. There is no login and no session cookie here, so the classic CSRF attack
+  (a foreign page making the operator's browser post with its ambient credentials) has no
+  credential to ride on: a forged request lacks the token and is refused ``403``;
+* **same origin**: a request whose ``Origin`` (or, without one, ``Referer``) names another host
+  is refused ``403`` before the token is even looked at (defence in depth: a browser always sends
+  ``Origin`` with a form's POST; a script sends neither and needs the token anyway);
+* a bounded form: ``application/x-www-form-urlencoded``, at most :data:`MAX_FORM` bytes (the
+  server reads no more than its small-body limit in any case), ``by`` (who, required) and ``note``
+  (why, for a pause) as printable text.
+
+Every action is logged at INFO with the operator's name and note as given (``%r``: quoted, so a
+name with line breaks or escape sequences cannot forge log lines), the peer's address is not
+known here and not claimed. The action itself is the command line's (``pause``, ``resume``,
+``run-now``): the same store calls on a store opened for writing for the one action and closed
+after it, on the HTTP server's pool thread (never the scheduling loop's), then a change notice
+to the leader through Redis when there is a lease, so it applies within a second.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Callable, Dict, Optional, Tuple
+from urllib.parse import parse_qs, urlsplit
+
+from ..leader.urls import mask_url
+
+logger = logging.getLogger("celery_cluster_beat")
+
+__all__ = ["Actions", "ActionResult", "VERBS", "MAX_FORM", "TOKEN_HEADER"]
+
+#: The actions, by the last part of their path.
+VERBS = ("run", "pause", "resume")
+#: Largest form accepted (bytes): a name, a note of 500 characters, a token.
+MAX_FORM = 4096
+#: The header a script may send the token in instead of the form field.
+TOKEN_HEADER = "x-cluster-beat-actions-token"
+#: Longest operator name kept.
+MAX_BY = 100
+
+#: (status, text for the operator, tone)
+ActionResult = Tuple[int, str, str]
+
+
+def _same_origin(headers: Dict[str, str]) -> bool:
+    """Whether the request's ``Origin`` (else ``Referer``) names the host it was sent to; True when
+    it has neither (not a browser's form: the token decides)."""
+    host = headers.get("host", "").strip().lower()
+    origin = headers.get("origin", "").strip()
+    source = origin if origin and origin != "null" else headers.get("referer", "").strip()
+    if origin == "null":  # a sandboxed frame, a data: URL: never the dashboard's own page
+        return False
+    if not source:
+        return True
+    try:
+        parts = urlsplit(source)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(host) and parts.netloc.lower() == host
+
+
+def _printable(text: str, limit: int) -> Optional[str]:
+    text = text.strip()
+    if not text or len(text) > limit or not text.isprintable():
+        return None
+    return text
+
+
+class Actions:
+    """Carries out the dashboard's actions for *app* (see the module docstring).
+
+    *act* (tests) replaces how an action reaches the store: ``act(verb, name, by, note)``; by default
+    a store is opened for writing for each action (:func:`.report.open_store`)."""
+
+    def __init__(self, app: Any, settings: Any, token: str,
+                 act: Optional[Callable[[str, str, str, Optional[str]], str]] = None) -> None:
+        if not token:
+            raise ValueError("the actions need a token")
+        self.app, self.settings = app, settings
+        self._token = token.encode()
+        self._act = act or self._store_act
+
+    def handle(self, verb: str, name: str, headers: Dict[str, str], body: bytes) -> ActionResult:
+        """(status, text, tone) of POST *verb* for schedule *name*."""
+        if verb not in VERBS:
+            return 404, f"no such action: {verb[:40]!r} (run, pause or resume)", "bad"
+        if not _same_origin(headers):
+            logger.warning("cluster-beat http: refused a cross-origin %s of %r (Origin %r)", verb, name[:255],
+                           headers.get("origin", headers.get("referer", ""))[:200])
+            return 403, "refused: the request comes from another site", "bad"
+        if len(body) > MAX_FORM:
+            return 413, f"the form is larger than {MAX_FORM} bytes", "bad"
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if body and ctype != "application/x-www-form-urlencoded":
+            return 415, "expected a form (application/x-www-form-urlencoded)", "bad"
+        try:
+            form = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=8, strict_parsing=False)
+        except (UnicodeDecodeError, ValueError):
+            return 400, "the form could not be read", "bad"
+        given = headers.get(TOKEN_HEADER) or (form.get("token") or [""])[-1]
+        if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), self._token):
+            logger.warning("cluster-beat http: refused %s of %r: %s actions token", verb, name[:255],
+                           "wrong" if given else "no")
+            return 403, "refused: the actions token is missing or wrong", "bad"
+        by = _printable((form.get("by") or [""])[-1], MAX_BY)
+        if by is None:
+            return 400, f"say who you are (1 to {MAX_BY} printable characters)", "bad"
+        note: Optional[str] = None
+        if verb == "pause":
+            raw = (form.get("note") or [""])[-1].strip()
+            if raw:
+                note = _printable(raw, 500)
+                if note is None:
+                    return 400, "the note must be at most 500 printable characters", "bad"
+        try:
+            text = self._act(verb, name, by, note)
+        except Exception as exc:
+            from .report import NoSuchSchedule
+
+            if isinstance(exc, NoSuchSchedule):
+                return 404, str(exc), "bad"
+            if isinstance(exc, ValueError):
+                return 400, f"refused: {exc}", "bad"
+            logger.warning("cluster-beat http: %s of %r by %r failed: %s", verb, name[:255], by,
+                           mask_url(repr(exc)))
+            return 503, f"the action failed: {type(exc).__name__}: {mask_url(exc)}"[:500], "bad"
+        logger.info("cluster-beat http: %s of schedule %r by %r%s: %s", verb, name[:255], by,
+                    f" (note {note!r})" if note else "", text)
+        return 200, text, ""
+
+    def _store_act(self, verb: str, name: str, by: str, note: Optional[str]) -> str:
+        """The command line's action (``cluster-beat pause/resume/run-now``) on a store opened for it."""
+        from . import report
+
+        by_text = f"{by} via dashboard"
+        store = report.open_store(self.app, self.settings, write=True)
+        try:
+            try:
+                source = report.schedule_source(self.app, name, store)
+            except report.NoSuchSchedule:
+                if not (verb == "resume" and any(c.paused for c in store.controls([name]))):
+                    raise
+                source = "gone"
+            if verb == "run":
+                version, request, at, joined = store.request_run(name, by=by_text)
+                text = (f"a run of {name} is pending already: joined it, one run" if joined else
+                        f"run of {name} requested; the leader sends it within a second or two")
+            else:
+                paused = verb == "pause"
+                version, changed = store.set_paused(name, paused, by=by_text, note=note if paused else None)
+                word = "paused" if paused else "resumed"
+                text = (f"{word} {name} ({source}); the leader applies it within a second" if changed else
+                        f"{name} was {'paused' if paused else 'not paused'} already")
+        finally:
+            store.close()
+        self._notify(version)
+        return text
+
+    def _notify(self, version: int) -> None:
+        if self.settings.redis is None:
+            return
+        from ..leader.notices import ChangeNotices
+
+        notices = ChangeNotices(self.settings.redis.client, self.settings.cluster_name)
+        try:
+            notices.publish(version)
+        except Exception as exc:  # the leader polls the change counter anyway
+            logger.debug("cluster-beat http: change notice failed: %s", mask_url(repr(exc)))
+        finally:
+            notices.close()

@@ -300,31 +300,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 def _act(app: Any, name: str, action: Callable[[Any], Any], *, paused_ok: bool = False) -> Tuple[Any, str]:
-    """Run *action(store)* on a known schedule, then tell the leader (a Redis notice).
-
-    *paused_ok*: a name no schedule has any more may still be acted on while it is paused
-    (resuming a config entry removed while paused, so that re-adding it does not find it paused)."""
-    settings = report.load_settings_of(app)
-    store = report.open_store(app, settings, write=True)
-    try:
-        try:
-            source = report.schedule_source(app, name, store)
-        except report.NoSuchSchedule:
-            if not (paused_ok and any(c.paused for c in store.controls([name]))):
-                raise
-            source = "gone"
-        result = action(store)
-    finally:
-        store.close()
-    if settings.redis is not None:
-        from ..leader.notices import ChangeNotices
-
-        notices = ChangeNotices(settings.redis.client, settings.cluster_name)
-        try:
-            notices.publish(result[0])
-        finally:
-            notices.close()
-    return result, source
+    """Run *action(store)* on a known schedule, then tell the leader (:func:`.report.act_on_schedule`,
+    the dashboard's actions' path too)."""
+    return report.act_on_schedule(app, report.load_settings_of(app), name, action, paused_ok=paused_ok)
 
 
 @cluster_beat.command(cls=CeleryCommand)

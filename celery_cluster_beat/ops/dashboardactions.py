@@ -23,15 +23,19 @@ three small forms, and an action is carried out only when all of these hold:
 
 Every action is logged at INFO with the operator's name and note as given (``%r``: quoted, so a
 name with line breaks or escape sequences cannot forge log lines), the peer's address is not
-known here and not claimed. The action itself is the command line's (``pause``, ``resume``,
-``run-now``): the same store calls on a store opened for writing for the one action and closed
-after it, on the HTTP server's pool thread (never the scheduling loop's), then a change notice
-to the leader through Redis when there is a lease, so it applies within a second.
+known here and not claimed. A refused one is a WARNING at most every :data:`REFUSED_LOG_EVERY`
+seconds (the others DEBUG lines, counted in the next WARNING). The action itself is the command
+line's (``pause``, ``resume``, ``run-now``, :func:`.report.act_on_schedule`): the same store calls
+on a store opened for writing for the one action and closed after it, on the HTTP server's pool
+thread (never the scheduling loop's), then a change notice to the leader through Redis when there
+is a lease, so it applies within a second.
 """
 from __future__ import annotations
 
 import hmac
 import logging
+import threading
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
@@ -49,6 +53,9 @@ MAX_FORM = 4096
 TOKEN_HEADER = "x-cluster-beat-actions-token"
 #: Longest operator name kept.
 MAX_BY = 100
+#: A refused action is a WARNING line at most this often (seconds); those in between are DEBUG lines,
+#: counted in the next WARNING: whoever reaches the port cannot flood beat's log (and the loop's handler).
+REFUSED_LOG_EVERY = 10.0
 
 #: (status, text for the operator, tone)
 ActionResult = Tuple[int, str, str]
@@ -91,14 +98,34 @@ class Actions:
         self.app, self.settings = app, settings
         self._token = token.encode()
         self._act = act or self._store_act
+        self._refused_lock = threading.Lock()
+        self._refused_at = float("-inf")
+        self._refused_quiet = 0
+
+    def _refused(self, fmt: str, *args: Any) -> None:
+        """Log a refusal: a WARNING at most every :data:`REFUSED_LOG_EVERY` seconds, else DEBUG."""
+        now = time.monotonic()
+        with self._refused_lock:
+            loud = now - self._refused_at >= REFUSED_LOG_EVERY
+            if loud:
+                quiet, self._refused_quiet, self._refused_at = self._refused_quiet, 0, now
+            else:
+                self._refused_quiet += 1
+        if not loud:
+            logger.debug(fmt, *args)
+            return
+        more = f" ({quiet} more refused since the last such warning)" if quiet else ""
+        logger.warning(fmt + "%s", *args, more)
 
     def handle(self, verb: str, name: str, headers: Dict[str, str], body: bytes) -> ActionResult:
         """(status, text, tone) of POST *verb* for schedule *name*."""
         if verb not in VERBS:
             return 404, f"no such action: {verb[:40]!r} (run, pause or resume)", "bad"
+        if not name.isprintable():  # as its page (a 404 too): and what the INFO line says stays one line
+            return 404, "no schedule page has this name", "bad"
         if not _same_origin(headers):
-            logger.warning("cluster-beat http: refused a cross-origin %s of %r (Origin %r)", verb, name[:255],
-                           headers.get("origin", headers.get("referer", ""))[:200])
+            self._refused("cluster-beat http: refused a cross-origin %s of %r (Origin %r)", verb, name[:255],
+                          headers.get("origin", headers.get("referer", ""))[:200])
             return 403, "refused: the request comes from another site", "bad"
         if len(body) > MAX_FORM:
             return 413, f"the form is larger than {MAX_FORM} bytes", "bad"
@@ -111,8 +138,8 @@ class Actions:
             return 400, "the form could not be read", "bad"
         given = headers.get(TOKEN_HEADER) or (form.get("token") or [""])[-1]
         if not given or not hmac.compare_digest(given.encode("utf-8", "replace"), self._token):
-            logger.warning("cluster-beat http: refused %s of %r: %s actions token", verb, name[:255],
-                           "wrong" if given else "no")
+            self._refused("cluster-beat http: refused %s of %r: %s actions token", verb, name[:255],
+                          "wrong" if given else "no")
             return 403, "refused: the actions token is missing or wrong", "bad"
         by = _printable((form.get("by") or [""])[-1], MAX_BY)
         if by is None:
@@ -141,42 +168,23 @@ class Actions:
         return 200, text, ""
 
     def _store_act(self, verb: str, name: str, by: str, note: Optional[str]) -> str:
-        """The command line's action (``cluster-beat pause/resume/run-now``) on a store opened for it."""
+        """The command line's action (``cluster-beat pause/resume/run-now``), by the same code
+        (:func:`.report.act_on_schedule`): a store opened for it, then a notice to the leader."""
         from . import report
 
         by_text = f"{by} via dashboard"
-        store = report.open_store(self.app, self.settings, write=True)
-        try:
-            try:
-                source = report.schedule_source(self.app, name, store)
-            except report.NoSuchSchedule:
-                if not (verb == "resume" and any(c.paused for c in store.controls([name]))):
-                    raise
-                source = "gone"
-            if verb == "run":
-                version, request, at, joined = store.request_run(name, by=by_text)
-                text = (f"a run of {name} is pending already: joined it, one run" if joined else
-                        f"run of {name} requested; the leader sends it within a second or two")
-            else:
-                paused = verb == "pause"
-                version, changed = store.set_paused(name, paused, by=by_text, note=note if paused else None)
-                word = "paused" if paused else "resumed"
-                text = (f"{word} {name} ({source}); the leader applies it within a second" if changed else
-                        f"{name} was {'paused' if paused else 'not paused'} already")
-        finally:
-            store.close()
-        self._notify(version)
-        return text
-
-    def _notify(self, version: int) -> None:
-        if self.settings.redis is None:
-            return
-        from ..leader.notices import ChangeNotices
-
-        notices = ChangeNotices(self.settings.redis.client, self.settings.cluster_name)
-        try:
-            notices.publish(version)
-        except Exception as exc:  # the leader polls the change counter anyway
-            logger.debug("cluster-beat http: change notice failed: %s", mask_url(repr(exc)))
-        finally:
-            notices.close()
+        if verb == "run":
+            (_, _, _, joined), _ = report.act_on_schedule(
+                self.app, self.settings, name, lambda store: store.request_run(name, by=by_text), quiet_notice=True)
+            return (f"a run of {name} is pending already: joined it, one run" if joined else
+                    f"run of {name} requested; the leader sends it within a second or two")
+        paused = verb == "pause"
+        (_, changed), source = report.act_on_schedule(
+            self.app, self.settings, name,
+            lambda store: store.set_paused(name, paused, by=by_text, note=note if paused else None),
+            paused_ok=not paused, quiet_notice=True)
+        if changed:
+            return f"{'paused' if paused else 'resumed'} {name} ({source}); the leader applies it within a second"
+        if paused and note is not None:
+            return f"{name} was paused already; its note is now: {note}"
+        return f"{name} was {'paused' if paused else 'not paused'} already"

@@ -182,7 +182,10 @@ class OpsServer:
         """One request: GET and HEAD, POST to an action when actions are on; the token where it is
         needed; then :meth:`route` (or :meth:`act`)."""
         path = req.path
-        name, verb = schedule_view(path) if path.startswith(SCHEDULE_PREFIX) else (None, None)
+        try:
+            name, verb = schedule_view(path)
+        except UnicodeDecodeError:  # not UTF-8 once unquoted: route() answers 400 (no traceback, no action)
+            name, verb = None, None
         posting = self.actions is not None and verb is not None and self.detail is not None
         allowed = "POST" if posting else "GET, HEAD"
         if req.method not in (("POST",) if posting else ("GET", "HEAD")):

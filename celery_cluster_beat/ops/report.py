@@ -27,10 +27,11 @@ API (stable; the status page builds on it):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 from datetime import datetime, timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..config.celeryconf import default_entries, has_result_backend
 from ..config.entries import Entry, build_entries
@@ -53,7 +54,10 @@ from .words import compact, cron_fields, rule_words
 __all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "NodeStatus", "PausedInfo", "UnsentOccurrence", "ScheduleInfo",
            "Counters", "HistoryRow",
            "NoSuchSchedule", "cluster_status", "schedule_list", "history", "load_settings_of", "open_store",
-           "schedule_source", "config_entries", "Opened", "ScheduleReads", "RECENT_NODES", "paused_info", "node_status"]
+           "schedule_source", "act_on_schedule", "config_entries", "Opened", "ScheduleReads", "RECENT_NODES",
+           "paused_info", "node_status"]
+
+logger = logging.getLogger("celery_cluster_beat")
 
 #: A node whose last heartbeat is older than this (seconds) is left out of ``status``.
 RECENT_NODES = 3600.0
@@ -135,6 +139,44 @@ def schedule_source(app: Any, name: str, store: ClaimStore) -> str:
     if store.stored_get([name]):
         return "stored"
     raise NoSuchSchedule(name)
+
+
+def act_on_schedule(app: Any, settings: Settings, name: str, action: Callable[[ClaimStore], Any], *,
+                    paused_ok: bool = False, quiet_notice: bool = False) -> Tuple[Any, str]:
+    """The operators' actions (``pause``, ``resume``, ``run-now``), one code path for the command
+    line and the dashboard: *action(store)* on a store opened for writing for it once *name* is
+    known (:func:`schedule_source`), then a change notice to the leader (Redis) so it applies within
+    a second. *action* returns a tuple whose first item is the change counter's new value.
+    (what *action* returned, the schedule's source: ``config``, ``stored`` or ``gone``).
+
+    *paused_ok*: a name no schedule has any more may still be acted on while it is paused (resuming
+    a config entry removed while paused, so that re-adding it does not find it paused).
+    *quiet_notice*: a failed notice is a debug line, not an error (the leader polls the change
+    counter anyway; the dashboard has applied the action already)."""
+    store = open_store(app, settings, write=True)
+    try:
+        try:
+            source = schedule_source(app, name, store)
+        except NoSuchSchedule:
+            if not (paused_ok and any(c.paused for c in store.controls([name]))):
+                raise
+            source = "gone"
+        result = action(store)
+    finally:
+        store.close()
+    if settings.redis is not None:
+        from ..leader.notices import ChangeNotices
+
+        notices = ChangeNotices(settings.redis.client, settings.cluster_name)
+        try:
+            notices.publish(result[0])
+        except Exception as exc:
+            if not quiet_notice:
+                raise
+            logger.debug("cluster-beat: change notice failed: %s", mask_url(repr(exc)))
+        finally:
+            notices.close()
+    return result, source
 
 
 class Opened:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any, Iterable, Optional, Sequence, Tuple
 
 #: (seconds, singular word, short unit) from the largest down: the interval phrasing picks the
@@ -119,15 +120,24 @@ def _short_interval(step_seconds: float) -> str:
 
 
 def _cron_words(spec: Any) -> str:
+    if getattr(spec, "extended", False):  # L, W, #, seconds: the value sets do not say them; show the text
+        raise ValueError("described by its text")
+    restricted = not (spec.dom_star or spec.dow_star)
+    return _phrase(cron_fields(spec), restricted and getattr(spec.day_rule, "value", spec.day_rule) == "and")
+
+
+@lru_cache(maxsize=4096)
+def _phrase(fields: str, and_rule: bool) -> str:
+    """cron-descriptor's phrase of *fields*, kept: it loads its translations for every expression
+    (about 0.3 ms), and ``list`` or a page phrase the same few rules over and over."""
     from cron_descriptor import ExpressionDescriptor, Options
 
     options = Options()
     options.use_24hour_time_format = True
     options.verbose = False
     options.throw_exception_on_parse_error = True
-    text = ExpressionDescriptor(cron_fields(spec), options).get_description()
-    restricted = not (spec.dom_star or spec.dow_star)
-    if restricted and getattr(spec.day_rule, "value", spec.day_rule) == "and":
+    text = ExpressionDescriptor(fields, options).get_description()
+    if and_rule:
         text = text.replace(", or on ", ", and only on ")  # Celery's crontab: both must match
     return text
 
@@ -151,5 +161,7 @@ def rule_words(schedule: Any, zone: Optional[str] = None) -> str:
         else:
             return compact(schedule)
     except Exception:  # noqa: BLE001 - phrasing is decoration: fall back to the exact text
-        return compact(schedule)
+        text = compact(schedule)
+        if getattr(schedule, "spec", None) is None:
+            return text
     return f"{text} ({zone})" if zone else text

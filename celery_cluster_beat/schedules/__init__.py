@@ -1,13 +1,14 @@
 """Schedules: pure time arithmetic, what every replica must compute alike.
 
-Owns cron parsing (:mod:`.cronexpr`), wall times in a zone and their DST rules
-(:mod:`.tzwall`), cron next-fire (:mod:`.crontimes`), interval grids
+Owns cron parsing (:mod:`.cronexpr`, croniter's extensions in :mod:`.cronext`), wall
+times in a zone and their DST rules (:mod:`.tzwall`), cron next-fire (:mod:`.crontimes`), interval grids
 (:mod:`.intervals`), the rules (:mod:`.rules`), an occurrence's identity and
 task id (:mod:`.occurrence`), aware-UTC helpers (:mod:`.instants`), and
 Celery's face of the public ``cron`` / ``every`` plus conversion of Celery's
 own types (:mod:`.celery_types`, the one module here that imports Celery).
 
-May import: the standard library and Celery (in :mod:`.celery_types` only).
+May import: the standard library, Celery (in :mod:`.celery_types` only) and croniter (in
+:mod:`.cronext` only, on first use: it parses ``L``/``W``/``#``, never a plain Vixie expression).
 Nothing from the rest of the package: every other concern builds on this one.
 No I/O.
 """

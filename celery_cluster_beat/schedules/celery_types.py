@@ -106,7 +106,8 @@ class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
 
 
 class cron(ClusterSchedule, CronRule):
-    """A 5-field cron expression with Vixie semantics in an IANA zone.
+    """A 5-field cron expression with Vixie semantics in an IANA zone (croniter's ``L``, ``W``,
+    ``#``, wrapping ranges and sixth seconds field too: :mod:`.cronexpr`).
 
     ``tz=None`` follows the Celery app's ``timezone`` (UTC when unset, the server's local
     zone when ``enable_utc`` is False, as in Celery).

@@ -1,9 +1,21 @@
-"""Parsing and validating 5-field cron expressions (Vixie syntax).
+"""Parsing and validating cron expressions: Vixie's 5 fields, plus croniter's extensions.
 
-Pure: text in, :class:`CronSpec` out. The rules follow Vixie cron, the
-reference operators trust, and reject the extensions other libraries accept
-silently (``L``, ``W``, ``#``, seconds fields) because a schedule that means
-something else on another tool is worse than an error at start-up.
+Pure: text in, :class:`CronSpec` out. A plain 5-field expression follows Vixie
+cron, the reference operators trust, with this module's own parser (no
+croniter involved). On top of it, the extensions croniter (the peer users compare
+with) reads the same way:
+
+* ranges that wrap: ``22-2`` in hours is 22,23,0,1,2 and ``fri-mon`` is Fri-Mon;
+  a step over a wrapping range is refused (croniter restarts the step at the
+  wrap, other tools continue it: ``23-3/2`` would mean two things);
+* ``L``, ``W`` and ``#`` in the day fields (:mod:`.cronext`, parsed with croniter);
+* croniter's optional sixth field, *seconds*, after day-of-week
+  (``m h dom mon dow sec``).
+
+What croniter accepts but reads otherwise elsewhere is refused naming the field,
+because a schedule that means something else on another tool is worse than an
+error at start-up: ``?``, hashed ``H`` and random ``R`` values, a year field,
+Quartz's seconds-first order (a bare ``*`` sixth field), ``5L``, ``LW``, ``L-3``.
 """
 from __future__ import annotations
 
@@ -11,8 +23,10 @@ import calendar
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import FrozenSet, Tuple
+from functools import lru_cache
+from typing import FrozenSet, Optional, Tuple
 
+from .cronext import DaySelector, has_day_extension, parse_day_fields
 from .errors import ScheduleError
 
 __all__ = ["CronSpec", "DayRule", "parse_cron", "FIELD_NAMES", "MAX_CRON_LENGTH"]
@@ -21,7 +35,10 @@ __all__ = ["CronSpec", "DayRule", "parse_cron", "FIELD_NAMES", "MAX_CRON_LENGTH"
 MAX_CRON_LENGTH = 1000
 
 FIELD_NAMES = ("minute", "hour", "day-of-month", "month", "day-of-week")
-_BOUNDS = {"minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31), "month": (1, 12), "day-of-week": (0, 7)}
+#: The optional sixth field, as messages name it (croniter's order: after day-of-week, not first as in Quartz).
+SECOND_FIELD = "second (6th field, after day-of-week)"
+_BOUNDS = {"minute": (0, 59), "hour": (0, 23), "day-of-month": (1, 31), "month": (1, 12), "day-of-week": (0, 7),
+           SECOND_FIELD: (0, 59)}
 _MONTHS = {name.lower(): i for i, name in enumerate(calendar.month_abbr) if name}
 _WEEKDAYS = {"sun": 0, "mon": 1, "tue": 2, "wed": 3, "thu": 4, "fri": 5, "sat": 6}
 _NAMES = {"month": _MONTHS, "day-of-week": _WEEKDAYS}
@@ -39,7 +56,10 @@ SHORTHANDS = {
 }
 #: Fields are separated by ASCII blanks only, as in a crontab file (Unicode spaces are not separators).
 _BLANKS = re.compile(r"[ \t\n\r\f\v]+")
-_UNSUPPORTED_CHARS = {"L": "last-day", "W": "nearest-weekday", "#": "nth-weekday", "?": "no-specific-value", "H": "hashed"}
+_UNSUPPORTED_CHARS = {"L": "last-day", "W": "nearest-weekday", "#": "nth-weekday", "?": "no-specific-value",
+                      "H": "hashed, needs a per-job hash id", "R": "random, differs per process"}
+_UNSUPPORTED_SET = frozenset(_UNSUPPORTED_CHARS)
+_DAY_ONLY = {"L": "day-of-month or day-of-week", "W": "day-of-month", "#": "day-of-week"}
 
 
 class DayRule(str, Enum):
@@ -56,7 +76,14 @@ class CronSpec:
     ``dom_star`` / ``dow_star`` decide the day rule (OR when both are
     restricted) and ``wildcard`` decides the DST rule; both come from the
     *text* (a field starting with ``*``), not from the value sets, exactly as
-    in Vixie's ``DOM_STAR``/``DOW_STAR``/``MIN_STAR``/``HR_STAR`` flags.
+    in Vixie's ``DOM_STAR``/``DOW_STAR``/``MIN_STAR``/``HR_STAR`` flags (with a
+    seconds field, a second field starting with ``*`` makes the job wildcard too).
+
+    ``seconds`` is None without a seconds field (the job fires at second 0).
+    ``selector`` is set when a day field uses ``L``, ``W`` or ``#``: it then decides
+    the day (:meth:`.cronext.DaySelector.matches`, which needs the year and month),
+    and ``days`` / ``weekdays`` only hold each field's plain values (the whole
+    range for a field without any), for display.
     """
 
     text: str
@@ -69,6 +96,14 @@ class CronSpec:
     dow_star: bool
     wildcard: bool
     day_rule: DayRule = DayRule.VIXIE
+    seconds: Optional[Tuple[int, ...]] = None
+    selector: Optional[DaySelector] = None
+
+    @property
+    def extended(self) -> bool:
+        """Whether the expression uses a day extension or a seconds field (its value sets alone
+        do not say when it fires: describe it by its text)."""
+        return self.selector is not None or self.seconds is not None
 
     def day_matches(self, day: int, weekday_sun0: int) -> bool:
         dom = day in self.days
@@ -119,9 +154,11 @@ def _raise(expr: str, field: str, reason: str) -> int:
 def _parse_field(expr: str, field: str, text: str) -> FrozenSet[int]:
     lo, hi = _BOUNDS[field]
     size = hi - lo + 1 if field != "day-of-week" else 7
-    for ch, what in _UNSUPPORTED_CHARS.items():
-        if ch in text.upper() and not (field in _NAMES and _contains_name_with(text, ch)):
-            raise _fail(expr, field, f"{text!r}: '{ch}' ({what}) is not supported; use Vixie cron syntax")
+    upper = text.upper()
+    for ch, what in _UNSUPPORTED_CHARS.items() if _UNSUPPORTED_SET.intersection(upper) else ():
+        if ch in upper and not (field in _NAMES and _contains_name_with(text, ch)):
+            where = f" (only in {_DAY_ONLY[ch]})" if ch in _DAY_ONLY else ""
+            raise _fail(expr, field, f"{text!r}: '{ch}' ({what}) is not supported here{where}; use Vixie cron syntax")
     values: set = set()
     for term in text.split(","):
         if term == "":
@@ -151,8 +188,9 @@ def _parse_field(expr: str, field: str, text: str) -> FrozenSet[int]:
             if a == "" or b == "":
                 raise _fail(expr, field, f"range {base!r} is incomplete")
             start, end = _number(expr, field, a), _number(expr, field, b)
-            if start > end:
-                raise _fail(expr, field, f"range {base!r} is reversed; ranges must ascend")
+            if start > end:  # wraps past the field's end, as in croniter: 22-2 is 22,23,0,1,2
+                values.update(_wrapped(expr, field, base, start, end, step))
+                continue
         else:
             start = end = _number(expr, field, base)
         values.update(range(start, end + 1, step))
@@ -162,6 +200,30 @@ def _parse_field(expr: str, field: str, text: str) -> FrozenSet[int]:
     return frozenset(values)
 
 
+def _wrapped(expr: str, field: str, base: str, start: int, end: int, step: int) -> FrozenSet[int]:
+    """A range that wraps (``22-2``, ``fri-mon``), read as croniter reads it.
+
+    With a step, croniter restarts the count after the wrap at ``lo + (step - values left
+    before the end)`` when the step overshoots the field's end, else at ``lo``: ``Thu-Tue/2``
+    is Thu, Sat, Tue and ``23-3/2`` in hours is 23, 2 (counting on through the wrap would
+    give Mon and 1, 3). Kept for agreement with croniter, the peer these ranges come from.
+    """
+    lo, hi = _BOUNDS[field]
+    if field == "day-of-week":  # croniter reads 7 as 0 first, on a 0-6 field
+        start, end, hi = start % 7, end % 7, 6
+        if start == end:
+            raise _fail(expr, field, f"range {base!r} is ambiguous (croniter reads it as every day); "
+                                     "write '*' or the one day")
+        if start < end:
+            return frozenset(range(start, end + 1, step))
+    first = list(range(start, hi + 1, step))
+    skip = 0
+    if first and (first[-1] - lo) + step > hi - lo + 1 and hi - first[-1] < step:
+        skip = step - (hi - first[-1])
+    return frozenset(first + list(range(lo + skip, end + 1, step)))
+
+
+@lru_cache(maxsize=1024)
 def _contains_name_with(text: str, ch: str) -> bool:
     """True when *ch* only appears inside month/weekday names (e.g. 'W' in 'WED')."""
     stripped = text.upper()
@@ -203,8 +265,9 @@ def parse_cron(expr: str, *, day_rule: DayRule = DayRule.VIXIE) -> CronSpec:
                             f"(at most {MAX_CRON_LENGTH})")
     fields = [part for part in _BLANKS.split(expr) if part]
     shorthand = bool(fields) and fields[0].startswith("@")
+    names = FIELD_NAMES + (SECOND_FIELD,) if len(fields) == 6 else FIELD_NAMES
     for i, part in enumerate(fields):
-        named = FIELD_NAMES[i] if i < len(FIELD_NAMES) and not shorthand else "expression"
+        named = names[i] if i < len(names) and not shorthand else "expression"
         _check_characters(expr, named, part)
     text = " ".join(fields)
     if text.startswith("@"):
@@ -218,30 +281,53 @@ def parse_cron(expr: str, *, day_rule: DayRule = DayRule.VIXIE) -> CronSpec:
                                 f"supported: {', '.join(SHORTHANDS)}")
         spec = parse_cron(SHORTHANDS[key], day_rule=day_rule)
         return CronSpec(**{**spec.__dict__, "text": expr})
-    if len(fields) != 5:
-        extra = " (seconds and year fields are not supported)" if len(fields) in (6, 7) else ""
+    if len(fields) not in (5, 6):
+        extra = " (a year field is not supported)" if len(fields) == 7 else ""
         raise ScheduleError(
-            f"cron {expr!r}: expected 5 fields (minute hour day-of-month month day-of-week), "
-            f"got {len(fields)}{extra}"
+            f"cron {expr!r}: expected 5 fields (minute hour day-of-month month day-of-week), or 6 with "
+            f"seconds last, got {len(fields)}{extra}"
         )
-    sets = [_parse_field(expr, name, part) for name, part in zip(FIELD_NAMES, fields)]
+    # seconds first: a bare '*' there is the mark of Quartz's seconds-first order, the likeliest mistake
+    seconds = _parse_seconds(expr, fields[5]) if len(fields) == 6 else None
     dom_star = fields[2].startswith("*")
     dow_star = fields[4].startswith("*")
-    months = tuple(sorted(sets[3]))
-    dom_only = dow_star or day_rule == DayRule.AND
-    _check_can_fire(expr, sets[2], months, dom_only)
+    selector = None
+    if has_day_extension("day-of-month", fields[2]) or has_day_extension("day-of-week", fields[4]):
+        minutes, hours, months_set = (_parse_field(expr, FIELD_NAMES[i], fields[i]) for i in (0, 1, 3))
+        months = tuple(sorted(months_set))
+        selector = parse_day_fields(expr, fields[2], fields[4], months, _parse_field)
+        days = selector.dom or frozenset(range(1, 32))
+        weekdays = selector.dow or frozenset(w for w, _ in selector.nth) or frozenset(range(7))
+    else:  # Vixie's fields, checked in their order (the first bad one is named)
+        minutes, hours, days, months_set, weekdays = (
+            _parse_field(expr, name, part) for name, part in zip(FIELD_NAMES, fields))
+        months = tuple(sorted(months_set))
+        _check_can_fire(expr, days, months, dow_star or day_rule == DayRule.AND)
     return CronSpec(
         text=expr,
-        minutes=tuple(sorted(sets[0])),
-        hours=tuple(sorted(sets[1])),
-        days=sets[2],
+        minutes=tuple(sorted(minutes)),
+        hours=tuple(sorted(hours)),
+        days=days,
         months=months,
-        weekdays=sets[4],
+        weekdays=weekdays,
         dom_star=dom_star,
         dow_star=dow_star,
-        wildcard=fields[0].startswith("*") or fields[1].startswith("*"),
+        wildcard=any(field.startswith("*") for field in fields[:2] + fields[5:]),  # minute, hour, second
         day_rule=day_rule,
+        seconds=seconds,
+        selector=selector,
     )
+
+
+def _parse_seconds(expr: str, text: str) -> Tuple[int, ...]:
+    """croniter's sixth field. A bare ``*`` (every second) is refused: it is what Quartz and Spring
+    expressions, which put seconds *first*, end with (``0 0 12 * * *`` is noon there, and every
+    second of 00:00 on the 12th here)."""
+    if text == "*":
+        raise _fail(expr, SECOND_FIELD, "'*' (every second) is not supported: croniter reads the 6th field as "
+                                        "seconds, Quartz and Spring read the first; write '*/1' for every second, "
+                                        "or move the seconds to the end (m h dom mon dow sec)")
+    return tuple(sorted(_parse_field(expr, SECOND_FIELD, text)))
 
 
 def spec_from_sets(

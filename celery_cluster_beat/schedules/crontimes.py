@@ -10,18 +10,25 @@ around it, which is where the gap/repeated-hour rules apply:
   time fires once at the gap end; a repeated one fires in the first pass only;
 * wildcard job: fires at the wall times that exist, in both passes of a
   repeated hour; skipped wall times are not made up.
+
+:class:`ExtendedCronTimes` adds the extensions (:func:`cron_times` picks it):
+a day selector (``L``, ``W``, ``#``) asked day by day, and a seconds field, for
+which a wall *minute* is resolved once and its seconds follow it (a wall minute
+is skipped, repeated or plain as a whole, except in the rare zone whose
+transition is not on a whole minute, resolved second by second).
 """
 from __future__ import annotations
 
 import bisect
 import calendar
 from datetime import date, datetime, timedelta, tzinfo
-from typing import Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from .cronexpr import CronSpec, DayRule
 from .errors import ScheduleError
 from .tzwall import EXISTS, REPEATED, has_transition, resolve
 
+_SECOND = timedelta(seconds=1)
 _MINUTE = timedelta(minutes=1)
 _DAY = timedelta(days=1)
 _MAX_YEARS = 400  # the Gregorian calendar repeats after 400 years
@@ -122,3 +129,111 @@ class CronTimes:
                 return later[0]
         raise AssertionError("unreachable")  # pragma: no cover
 
+
+
+#: One wall minute's fire instants: (first instant, the seconds after it), or (instant, None) for one instant.
+_Block = Tuple[datetime, Optional[Tuple[int, ...]]]
+
+
+class ExtendedCronTimes(CronTimes):
+    """Fire instants of a spec with a day selector and/or a seconds field (same DST rules)."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, spec: CronSpec, tz: tzinfo) -> None:
+        super().__init__(spec, tz)
+        if spec.selector is not None:
+            self._dom_only_days = None  # the selector decides, day by day
+        self._blocks: Dict[date, List[_Block]] = {}
+
+    def _day_ok(self, d: date) -> bool:
+        selector = self.spec.selector
+        if selector is None:
+            return super()._day_ok(d)
+        return selector.matches(d.year, d.month, d.day, (d.weekday() + 1) % 7)
+
+    def next_wall(self, naive: datetime) -> datetime:
+        """First matching wall time strictly after *naive* (second resolution with a seconds field)."""
+        seconds = self.spec.seconds
+        if seconds is None:
+            return super().next_wall(naive)
+        t = naive.replace(microsecond=0) + _SECOND
+        hours, minutes = self.spec.hours, self.spec.minutes
+        first_day = t.date()
+        for d in self._matching_days(first_day):
+            if d == first_day:
+                for h in hours[bisect.bisect_left(hours, t.hour):]:
+                    if h > t.hour:
+                        return datetime(d.year, d.month, d.day, h, minutes[0], seconds[0])
+                    for m in minutes[bisect.bisect_left(minutes, t.minute):]:
+                        if m > t.minute:
+                            return datetime(d.year, d.month, d.day, h, m, seconds[0])
+                        k = bisect.bisect_left(seconds, t.second)
+                        if k < len(seconds):
+                            return datetime(d.year, d.month, d.day, h, m, seconds[k])
+                continue
+            return datetime(d.year, d.month, d.day, hours[0], minutes[0], seconds[0])
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _next_near_transition(self, after: datetime, local_day: date) -> datetime:
+        if self.spec.seconds is None:
+            return super()._next_near_transition(after, local_day)
+        for d in self._matching_days(local_day - _DAY):
+            best = None
+            for start, seconds in self._day_blocks(d):
+                if seconds is None:
+                    candidate = start if start > after else None
+                else:
+                    k = bisect.bisect_right(seconds, (after - start).total_seconds())
+                    candidate = start + timedelta(seconds=seconds[k]) if k < len(seconds) else None
+                if candidate is not None and (best is None or candidate < best):
+                    best = candidate
+            if best is not None:
+                return best
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _day_blocks(self, d: date) -> List[_Block]:
+        """The fire instants of day *d*, a block per wall minute (cached: a walk asks for the same days)."""
+        blocks = self._blocks.get(d)
+        if blocks is None:
+            if len(self._blocks) > 8:
+                self._blocks.clear()
+            blocks = self._blocks[d] = self._compute_blocks(d)
+        return blocks
+
+    def _compute_blocks(self, d: date) -> List[_Block]:
+        wildcard, tz, seconds = self.spec.wildcard, self.tz, self.spec.seconds
+        assert seconds is not None
+        out: List[_Block] = []
+        for h in self.spec.hours:
+            for m in self.spec.minutes:
+                wall = datetime(d.year, d.month, d.day, h, m)
+                kind, instants = resolve(tz, wall)
+                end_kind, end_instants = resolve(tz, wall + timedelta(seconds=59))
+                same = kind == end_kind and (kind not in (EXISTS, REPEATED) or all(
+                    b - a == timedelta(seconds=59) for a, b in zip(instants, end_instants)))
+                if not same:  # a transition inside this wall minute: second by second
+                    for s in seconds:
+                        out.extend((t, None) for t in self._wall_instants(wall.replace(second=s)))
+                elif kind == EXISTS or (kind == REPEATED and not wildcard):
+                    out.append((instants[0], seconds))
+                elif kind == REPEATED:
+                    out.extend((t, seconds) for t in instants)
+                elif not wildcard:  # skipped wall minute of a fixed job: once, at the gap end
+                    out.append((instants[0], None))
+        return out
+
+    def _wall_instants(self, wall: datetime) -> List[datetime]:
+        kind, instants = resolve(self.tz, wall)
+        if kind == EXISTS or (kind == REPEATED and not self.spec.wildcard):
+            return [instants[0]]
+        if kind == REPEATED:
+            return list(instants)
+        return [] if self.spec.wildcard else [instants[0]]
+
+
+def cron_times(spec: CronSpec, tz: tzinfo) -> CronTimes:
+    """The calculator for *spec* in *tz*: plain Vixie specs keep :class:`CronTimes` as it was."""
+    if spec.selector is None and spec.seconds is None:
+        return CronTimes(spec, tz)
+    return ExtendedCronTimes(spec, tz)

@@ -13,7 +13,7 @@ from functools import lru_cache
 from typing import Any, List, Optional, Tuple, Union
 
 from .cronexpr import CronSpec, DayRule, parse_cron
-from .crontimes import CronTimes
+from .crontimes import CronTimes, cron_times
 from .errors import ScheduleError
 from .instants import UTC, require_aware
 from .intervals import baseline_next, epoch_next, interval_micros, parse_baseline
@@ -32,7 +32,7 @@ def _parse(expr: str) -> CronSpec:
 @lru_cache(maxsize=16384)
 def _cron_times(spec: CronSpec, tz: tzinfo) -> CronTimes:
     # Many entries share an expression: one calculator per (spec, zone).
-    return CronTimes(spec, tz)
+    return cron_times(spec, tz)
 
 
 def _zone_name(what: str, tz: Any) -> Optional[str]:
@@ -99,7 +99,8 @@ class ScheduleRule:
 
 
 class CronRule(ScheduleRule):
-    """A 5-field cron expression with Vixie semantics in an IANA zone.
+    """A 5-field cron expression with Vixie semantics in an IANA zone (plus croniter's
+    extensions: ``L``, ``W``, ``#``, wrapping ranges, a sixth seconds field; see :mod:`.cronexpr`).
 
     Invalid input raises :class:`ScheduleError` at construction, so a bad entry
     is reported at start-up rather than at its first fire.

@@ -266,8 +266,10 @@ def test_a_catch_up_of_fifty_schedules_is_one_warning_line_not_fifty(db_url, bro
     line = summaries[0]
     assert f"{len(missed)} occurrence(s) of 50 schedule(s) missed" in line, (line, len(missed))
     assert "(job-00, job-01, job-02, job-03, job-04, ...)" in line, line
-    loud = [r.getMessage() for r in records if r.levelno >= logging.WARNING and "job-4" in r.getMessage()]
-    assert not loud, loud  # no per-schedule warnings
+    # no per-schedule warnings (the start-up line naming the entries left unguarded is one line for all)
+    loud = [r.getMessage() for r in records if r.levelno >= logging.WARNING and "job-4" in r.getMessage()
+            and "overlap guard off" not in r.getMessage()]
+    assert not loud, loud
     details = [r for r in records if r.levelno == logging.DEBUG and "missed (catch-up policy" in r.getMessage()]
     assert len(details) == 50
 

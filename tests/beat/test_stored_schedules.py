@@ -425,23 +425,29 @@ def test_changes_are_read_at_most_once_a_second_without_redis_and_each_is_applie
     _run(sched, 1.2)
 
     changes = 0
-    next_change = time.monotonic()
+    next_change = started = time.monotonic()
     with _sql(sched) as seen:
-        end = time.monotonic() + 3.0
+        # At least 3 s and 8 changes: on a loaded machine an update can take longer than 0.2 s,
+        # so the window stretches (to 8 s at most) rather than the set-up falling short.
+        end = started + 3.0
         while time.monotonic() < end:
             if time.monotonic() >= next_change:
                 changes += 1
                 api.update("busy", args=[changes])
                 next_change = time.monotonic() + 0.2
+                if changes < 8 and time.monotonic() + 0.2 >= end:
+                    end = min(started + 8.0, time.monotonic() + 0.25)
             wait = sched.tick()
             time.sleep(max(0.0, min(wait, next_change - time.monotonic(), end - time.monotonic())))
+        window = time.monotonic() - started
     last_change = time.time()
     applied_at = _run_until(sched, lambda: tuple(sched.entries["busy"].args) == (changes,), 5,
                             "the last change applied")
 
     reads = _version_reads(seen)
     assert changes >= 8, f"set-up: only {changes} changes were made"
-    assert 2 <= len(reads) <= 4, f"{len(reads)} reads of the change counter in 3 s with {changes} changes"
+    assert 2 <= len(reads) <= int(window) + 1, \
+        f"{len(reads)} reads of the change counter in {window:.1f} s with {changes} changes"
     assert applied_at - last_change <= RULE + SLACK, f"applied {applied_at - last_change:.2f}s late"
 
 

@@ -142,3 +142,82 @@ def test_a_bad_actions_token_setting_is_refused_naming_it_and_never_printing_it(
         load_settings(app.conf, has_result_backend=lambda: False)
     assert "setting cluster_beat_http_actions_token:" in str(err.value)
     assert str(value) not in str(err.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("actions", [False, True], ids=["read-only", "actions-on"])
+def test_a_schedule_path_that_is_not_utf8_is_a_400_never_a_500_with_a_traceback(tmp_path, caplog, actions):
+    """``%FF`` unquotes to no UTF-8: the page's route says 400; the dispatcher before it must not
+    raise (a 500 and an ERROR traceback in beat's log, for anyone who can reach the port)."""
+    ops, url = _serve(tmp_path, **({"cluster_beat_http_actions_token": ACTIONS_TOKEN} if actions else {}))
+    caplog.set_level(logging.DEBUG, logger="celery_cluster_beat")
+    try:
+        port = ops.server.port
+        assert _request(port, "GET", "/schedules/%FF")[0] == 400
+        assert _request(port, "HEAD", "/schedules/ok%FF")[0] == 400
+        status, _ = _request(port, "POST", "/schedules/%FF/pause", {"by": "a", "token": ACTIONS_TOKEN},
+                             {"Origin": f"http://127.0.0.1:{port}"})
+        assert status == 405  # no schedule is named by it: nothing to act on
+        assert _control(url) is None
+    finally:
+        ops.stop()
+    bad = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not bad, [(r.levelname, r.getMessage()) for r in bad]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_note_on_a_paused_schedule_is_said_to_have_replaced_the_old_one(tmp_path):
+    """The dashboard's actions take the command line's path (report.act_on_schedule): pausing a
+    paused schedule with a note replaces its note, and the answer says so (not "paused already")."""
+    ops, url = _serve(tmp_path, cluster_beat_http_actions_token=ACTIONS_TOKEN)
+    try:
+        port = ops.server.port
+        same = {"Origin": f"http://127.0.0.1:{port}"}
+        path = f"/schedules/{quote(NAME, safe='')}/pause"
+        assert _request(port, "POST", path, {"by": "alice", "note": "first", "token": ACTIONS_TOKEN}, same)[0] == 200
+        status, body = _request(port, "POST", path, {"by": "bob", "note": "second", "token": ACTIONS_TOKEN}, same)
+        assert status == 200 and "its note is now: second" in body, body
+        assert _control(url).paused_note == "second"
+        status, body = _request(port, "POST", path, {"by": "bob", "token": ACTIONS_TOKEN}, same)
+        assert status == 200 and "was paused already" in body and _control(url).paused_note == "second"
+    finally:
+        ops.stop()
+
+
+def test_an_action_on_a_name_no_page_can_have_never_reaches_the_store():
+    """A name with a line break or a separator (``%0A``, ``%E2%80%A8`` in the path) has no page; its
+    action is a 404 before the token is even looked at, so the INFO line of an action stays one line."""
+    from celery_cluster_beat.ops.dashboardactions import Actions
+
+    done = []
+    actions = Actions(object(), object(), ACTIONS_TOKEN, act=lambda *a: done.append(a) or "done")
+    body = urlencode({"by": "alice", "token": ACTIONS_TOKEN}).encode()
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    assert actions.handle("pause", "ok", headers, body)[0] == 200 and len(done) == 1  # the hook acts
+    for name in ("a\nb", "a\u2028INFO forged", "tab\there"):
+        assert actions.handle("pause", name, headers, body)[0] == 404
+    assert len(done) == 1
+
+
+def test_refused_actions_cannot_flood_the_log(caplog, monkeypatch):
+    """Anyone who reaches the port can post a wrong token or come from another origin: one WARNING
+    per period, the rest DEBUG lines counted in the next WARNING."""
+    from celery_cluster_beat.ops import dashboardactions
+    from celery_cluster_beat.ops.dashboardactions import Actions
+
+    caplog.set_level(logging.DEBUG, logger="celery_cluster_beat")
+    actions = Actions(object(), object(), ACTIONS_TOKEN, act=lambda *a: pytest.fail("acted"))
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    wrong = urlencode({"by": "mallory", "token": "x" * 32}).encode()
+    for _ in range(25):
+        assert actions.handle("pause", "ok", headers, wrong)[0] == 403
+    for _ in range(5):
+        assert actions.handle("run", "ok", {**headers, "origin": "http://evil.example", "host": "h:1"}, wrong)[0] == 403
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "wrong actions token" in warnings[0], warnings
+    assert len([r for r in caplog.records if r.levelno == logging.DEBUG and "refused" in r.getMessage()]) == 29
+
+    monkeypatch.setattr(dashboardactions, "REFUSED_LOG_EVERY", 0.0)  # the period is over
+    assert actions.handle("pause", "ok", headers, wrong)[0] == 403
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "(29 more refused since the last such warning)" in warnings[1], warnings

@@ -68,3 +68,20 @@ def test_a_rule_that_cannot_be_phrased_falls_back_to_its_text():
             return "<odd rule>"
 
     assert words.rule_words(Odd(), "UTC") == "<odd rule>"
+
+
+@pytest.mark.parametrize("expr", ["0 0 L * *", "0 9 * * 1#3", "0 9 * * L5", "0 9 15W * *", "30 2 * * * 15"])
+def test_extended_cron_is_shown_as_its_exact_text_with_its_zone_never_misphrased(expr):
+    # cron-descriptor reads five plain fields: "0 0 L * *" phrased from the value sets would say
+    # "At 00:00", every day. The exact text is the truth an operator can read.
+    from celery_cluster_beat.schedules import cron
+
+    assert words.rule_words(cron(expr), "Europe/Paris") == f"{expr} (Europe/Paris)"
+    assert words.compact(cron(expr)) == expr
+
+
+def test_a_wrapping_range_is_phrased_from_its_values():
+    from celery_cluster_beat.schedules import cron
+
+    text = words.rule_words(cron("30 22-2 * * *"), "UTC")
+    assert "22:00" in text and "02:59" in text and text.endswith("(UTC)"), text

@@ -141,7 +141,11 @@ class ControlQueries:
                 if not paused:
                     values["resumed_at"] = now
             elif paused and note is not None:
-                values["paused_note"] = note  # paused already: the new reason replaces the old one
+                # Paused already: the new reason replaces the old one, with its author (a note read
+                # as "paused by alice: <bob's reason>" would put words in alice's mouth); when stays.
+                values["paused_note"] = note
+                if by:
+                    values["paused_by"] = clip(by, MAX_NAME_LENGTH)
             conn.execute(sa.update(c).where(c.c.name == name).values(**values))
             return version, changed
 

@@ -60,11 +60,13 @@ def test_a_pause_note_is_kept_clipped_replaced_and_cleared_on_resume(make_store)
     assert changed
     (row,) = store.controls(["nightly"])
     assert (row.paused, row.paused_by, row.paused_note) == (True, "alice@host", "deploying v2")
+    paused_at = row.paused_at
 
     v, changed = store.set_paused("nightly", True, by="bob@host", note="still deploying\nsee #42")
-    assert not changed  # paused already; the newer reason replaces the old one, who and when stay
+    assert not changed  # paused already: the newer reason replaces the old one, with its author; when stays
     (row,) = store.controls(["nightly"])
-    assert (row.paused_by, row.paused_note, row.version) == ("alice@host", "still deploying\nsee #42", v)
+    assert (row.paused_by, row.paused_note, row.version) == ("bob@host", "still deploying\nsee #42", v)
+    assert row.paused_at == paused_at
 
     store.set_paused("nightly", False)
     (row,) = store.controls(["nightly"])

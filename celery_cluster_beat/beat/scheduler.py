@@ -292,6 +292,11 @@ class Scheduler(beat.Scheduler):
             backoff.guarded(self._stored.follow, "reading stored schedule changes")
         if backoff.over() and self._due.due():
             self._due.run()
+            # The pass may have waited up to CLAIM_AHEAD for its instant: look for changes again
+            # now (a socket read unless a notice came; SQL stays rate-limited by the follower), so
+            # an every-second schedule does not leave notices unread for a second at a time.
+            if backoff.over():
+                backoff.guarded(self._stored.follow, "reading stored schedule changes")
         store_ok = backoff.over()  # again: the due pass may have failed
         retry_in = node.pipeline.next_retry_in()
         if store_ok and retry_in is not None and retry_in <= 0:

@@ -24,58 +24,18 @@ redis-py load when the command runs.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption
 
 from ..errors import ConfigError
-from ..leader.urls import mask_url, mask_urls_in
+from ..leader.urls import mask_url
+from .clierrors import NOT_INITIALISED, boundary
 
 __all__ = ["adopt_store", "NOT_INITIALISED"]
-
-#: Exit code on a claim database no beat has prepared (the command line's ``NOT_INITIALISED``).
-NOT_INITIALISED = 3
-
-
-def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ConfigError):
-        text = " ".join(p.replace("\n", " ") for p in exc.problems)
-    else:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        text = first if type(exc).__module__.startswith("celery_cluster_beat") else \
-            f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    ours = type(exc).__module__.startswith("celery_cluster_beat") and exc.__cause__ is None
-    return mask_urls_in(text) if ours else mask_url(text)
-
-
-def _boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """Errors as one line on stderr (exit 1; a store not initialised yet: exit 3), never a traceback."""
-
-    @functools.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fun(*args, **kwargs)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
-            raise
-        except KeyboardInterrupt:
-            click.echo("error: interrupted", err=True)
-            raise click.exceptions.Exit(1)
-        except Exception as exc:
-            from ..config.values import printable
-            from ..store.errors import StoreNotInitialised
-
-            if isinstance(exc, StoreNotInitialised):
-                click.echo(printable(_one_line(exc)), err=True)
-                raise click.exceptions.Exit(NOT_INITIALISED)
-            click.echo(f"error: {printable(_one_line(exc))}", err=True)
-            raise click.exceptions.Exit(1)
-
-    return wrapper
-
 
 def _current_store_id(app: Any, settings: Any) -> str:
     """The id of the claim store *app* is configured with, read without writing anything."""
@@ -116,7 +76,7 @@ def _standbys(client: Any, channel: str) -> Optional[int]:
 @click.option("--json", "as_json", cls=CeleryOption, is_flag=True, default=False, help_group="Output Options",
               help="Print JSON instead of text (the question, if asked, goes to stderr).")
 @click.pass_context
-@_boundary
+@boundary
 def adopt_store(ctx: click.Context, yes: bool, dry_run: bool, as_json: bool) -> None:
     """Make the lease serve this claim store after the claim database was rebuilt.
 

@@ -31,21 +31,18 @@ why, and ``list``, ``status`` and ``history`` show who paused, when and why.
 """
 from __future__ import annotations
 
-import functools
 import getpass
 import importlib
 import json
 import re
 import socket
-import sys
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
-from ..errors import ConfigError  # cheap: the schedules package loads its Celery side on first use
-from ..leader.urls import mask_url, mask_urls_in  # cheap: the leader package loads redis-py on first use
+from .clierrors import NOT_INITIALISED, boundary, for_terminal, problems as _problems  # noqa: F401  (NOT_INITIALISED: importable from here as before)
 
 
 class _ImportOnUse:
@@ -82,9 +79,6 @@ def __getattr__(name: str) -> Any:
         return getattr(views, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-#: Exit code of every command but ``check`` on a claim database no beat has prepared yet (nothing to
-#: read or act on: not an error of the command, nor a success a script should read on).
-NOT_INITIALISED = 3
 
 _UNITS = {"w": 7 * 86400, "d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
@@ -106,74 +100,6 @@ def parse_duration(text: str) -> float:
 
 
 # ----------------------------------------------------------------------------- output
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines() or [""])[0] or type(exc).__name__
-
-
-def _problems(exc: BaseException) -> List[str]:
-    """One line per problem of *exc*, passwords masked."""
-    if isinstance(exc, ConfigError):
-        lines = [p.replace("\n", " ") for p in exc.problems]
-    elif isinstance(exc, (ValueError, LookupError)) and not isinstance(exc, report.NoSuchSchedule):
-        lines = [_first_line(exc)]
-    elif isinstance(exc, report.NoSuchSchedule):
-        lines = [str(exc)]
-    else:
-        lines = [f"{type(exc).__name__}: {_first_line(exc)}" if not _is_ours(exc) else _first_line(exc)]
-    # Our own messages quote names and descriptions: only what is spelled as a URL is masked in them
-    # (mask_url's ``user:secret@host`` rule would mangle ``a:b:c@d``); a driver's text (or ours
-    # wrapping one: a __cause__), everything.
-    mask = mask_urls_in if _is_ours(exc) and exc.__cause__ is None else mask_url
-    return [mask(line) for line in lines]
-
-
-def _is_ours(exc: BaseException) -> bool:
-    return type(exc).__module__.startswith("celery_cluster_beat")
-
-
-def _fail(lines: Iterable[str]) -> None:
-    for line in lines:
-        click.echo(f"error: {for_terminal(line)}", err=True)
-    raise click.exceptions.Exit(1)
-
-
-def for_terminal(value: Any) -> str:
-    """*value* as the terminal gets it: stored text with its control and format characters
-    escaped (:func:`~celery_cluster_beat.config.values.printable`); None as ``-``."""
-    from ..config.values import printable  # not at import: Celery imports this module in every process
-
-    return "-" if value is None else printable(str(value))
-
-
-def _not_initialised(exc: BaseException) -> bool:
-    from ..store.errors import StoreNotInitialised  # loaded already when the store raised it
-
-    return isinstance(exc, StoreNotInitialised)
-
-
-def boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """Every error becomes one line per problem on stderr and exit code 1, never a traceback
-    (a claim database not initialised yet: its one line and :data:`NOT_INITIALISED`)."""
-
-    @functools.wraps(fun)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fun(*args, **kwargs)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
-            raise
-        except KeyboardInterrupt:
-            _fail(["interrupted"])
-        except Exception as exc:
-            if "celery_cluster_beat.store.errors" in sys.modules and _not_initialised(exc):
-                for line in _problems(exc):
-                    click.echo(for_terminal(line), err=True)
-                raise click.exceptions.Exit(NOT_INITIALISED)
-            _fail(_problems(exc))
-
-    return wrapper
 
 
 def _when(value: Optional[datetime]) -> str:

@@ -42,7 +42,8 @@ HEAVY = ["sqlalchemy", "celery_cluster_beat.store", "celery_cluster_beat.dynamic
 PLUGIN_OURS = {"celery_cluster_beat", "celery_cluster_beat.base", "celery_cluster_beat.errors",
                "celery_cluster_beat.schedules",
                "celery_cluster_beat.schedules.errors", "celery_cluster_beat.leader", "celery_cluster_beat.leader.urls",
-               "celery_cluster_beat.ops", "celery_cluster_beat.ops.cli", "celery_cluster_beat.ops.adopt"}
+               "celery_cluster_beat.ops", "celery_cluster_beat.ops.cli", "celery_cluster_beat.ops.adopt",
+               "celery_cluster_beat.ops.clierrors"}
 
 #: How many modules the plugin may add to a ``celery`` start, ours included. It adds 10 today
 #: (our 8, getpass, termios); SQLAlchemy alone is 83, the old plugin added 242.

@@ -211,3 +211,16 @@ def kill_after_its_next_mark(arm_dir, proc) -> float:
     proc.popen.wait(20)
     return time.time()
 
+
+def period_due_soon(minimum: int, lead: float, spread: float = 0.5) -> int:
+    """A period P (whole seconds, ``minimum <= P <= minimum * (1 + spread)``) whose ``every(P)``
+    grid (the instants k * P since the epoch) has its next instant soonest after now + *lead*.
+
+    A fault test with a sparse schedule (nothing else due for ``minimum`` seconds) plays its
+    scene at the first burst after the replicas are up; with a fixed period that burst is
+    ``period / 2`` away on average (30 s for ``every(60)``). Choosing among the periods at least
+    as sparse puts it about *lead* seconds after the start, without making any gap shorter.
+    A start-up slower than *lead* only costs one more period (the tests wait on conditions)."""
+    start = time.time() + lead
+    return min(range(minimum, int(minimum * (1 + spread)) + 1),
+               key=lambda p: (int(start // p) + 1) * p - start)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import pytest
 import redis
 
-from cluster import Cluster, Seen, Watcher, duplicates, timeline
+from cluster import Cluster, Seen, Watcher, duplicates, period_due_soon, timeline
 from procs import Proc, wait_for, wait_for_log, write_app
 
 pytestmark = pytest.mark.slow
@@ -193,8 +193,19 @@ def log_tail(proc: Proc, n: int = 6000) -> str:
     return f"----- {proc.log_path.name} (pid {proc.pid})\n{proc.log()[-n:]}"
 
 
-THOUSAND_EVERY_30 = "{f'e{i:04d}': {'task': 't.record', 'schedule': every(30)} for i in range(1000)}"
 THOUSAND = [f"e{i:04d}" for i in range(1000)]
+#: Start-up allowance (s) for the replicas of a test, from the start to the lease taken, on a loaded
+#: machine: the first burst of the chosen period falls about this long (plus what the scene needs
+#: before it) after the start. A slower start-up costs one more period, never the scene.
+STARTUP = 8.0
+
+
+def thousand_every(period: int) -> str:
+    return f"{{f'e{{i:04d}}': {{'task': 't.record', 'schedule': every({period})}} for i in range(1000)}}"
+
+
+def every_schedule(names: List[str], period: int) -> str:
+    return "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
 
 
 # ----------------------------------------------------------------------------- 1. SIGKILL between flush and mark
@@ -220,7 +231,10 @@ def test_leader_killed_between_a_chunk_flush_and_its_sent_mark_mid_burst_at_most
     grace, ttl = 5.0, 3.0
     sweep = grace / 3
     arm_dir = tmp_path / "arm"
-    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=THOUSAND_EVERY_30,
+    # At least 30 s between bursts (the bound below stays inside it); the first one due about when
+    # the leader is up and idle more than 6 s before it (arm_before_next_burst).
+    period = period_due_soon(30, STARTUP + 7)
+    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=thousand_every(period),
                     conf=f"{{'cluster_beat_claim_grace': {grace}, 'cluster_beat_lock_ttl': {ttl}}}")
     cluster = make_cluster(app)
     cluster.start(2, env=fault_env(arm_dir, "after-flush=kill@2"))
@@ -228,7 +242,7 @@ def test_leader_killed_between_a_chunk_flush_and_its_sent_mark_mid_burst_at_most
     dead = node_id(leader)
     survivor = next(p for p in cluster.procs if p is not leader)
 
-    burst = arm_before_next_burst(reader, arm_dir, "after-flush", leader, 30)
+    burst = arm_before_next_burst(reader, arm_dir, "after-flush", leader, period)
     wait_for_log(leader, f"{FAULT_LINE} after-flush: kill", (burst.timestamp() - time.time()) + 60)
     killed_at = time.time()
     wait_for(lambda: not leader.alive(), 15, what="the leader dying at the fault point")
@@ -307,7 +321,10 @@ def test_leader_sigtermed_between_a_chunk_flush_and_its_sent_mark_records_it_and
     grace, ttl = 5.0, 3.0
     sweep = grace / 3
     arm_dir = tmp_path / "arm"
-    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=THOUSAND_EVERY_30,
+    # At least 30 s between bursts (nothing else due while the scene plays); the first one due about
+    # when the leader is up and idle more than 6 s before it (arm_before_next_burst).
+    period = period_due_soon(30, STARTUP + 7)
+    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=thousand_every(period),
                     conf=f"{{'cluster_beat_claim_grace': {grace}, 'cluster_beat_lock_ttl': {ttl}}}")
     cluster = make_cluster(app)
     cluster.start(2, env=fault_env(arm_dir, "after-flush=sleep:30@2"))
@@ -315,7 +332,7 @@ def test_leader_sigtermed_between_a_chunk_flush_and_its_sent_mark_records_it_and
     old = node_id(leader)
     successor = next(p for p in cluster.procs if p is not leader)
 
-    burst = arm_before_next_burst(reader, arm_dir, "after-flush", leader, 30)
+    burst = arm_before_next_burst(reader, arm_dir, "after-flush", leader, period)
     wait_for_log(leader, f"{FAULT_LINE} after-flush: sleep:30", (burst.timestamp() - time.time()) + 60)
     termed_at = time.time()
     leader.signal(signal.SIGTERM)
@@ -387,7 +404,7 @@ def test_live_claimant_paused_past_the_grace_never_publishes_the_rows_taken_over
     arm_dir = tmp_path / "arm"
     names = ["s1", "s2", "s3"]
     period = 10  # bursts also fall due during the pause: the others send them
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
+    schedule = every_schedule(names, period)
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url="", schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)
@@ -463,8 +480,8 @@ def test_live_claimant_paused_past_the_grace_never_publishes_the_rows_taken_over
 def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else_falls_due(
         tmp_path, redis_url, pg_url, reader, make_cluster):
     """Window: the leader is SIGKILLed right after its claim of the only occurrence (of the only
-    entry, ``every(60)``) commits, before it publishes anything. Nothing else falls due for
-    60 s: twice the bound on the resend below.
+    entry, ``every(P)``, P >= 60 s) commits, before it publishes anything. Nothing else falls due
+    for 60 s or more: twice the bound on the resend below.
 
     The standby takes the lease, and its housekeeping (every claim_grace / 3, on its own
     timer) finds the claim stale once the dead node's heartbeat is older than the grace, and
@@ -477,7 +494,9 @@ def test_claim_left_by_a_killed_leader_is_swept_and_resent_although_nothing_else
     """
     grace, ttl = 5.0, 2.0
     sweep = grace / 3
-    period = 60  # the bound below is ~30 s: a resend that waits for the next occurrence misses it
+    # At least 60 s: the bound below is ~30 s, a resend that waits for the next occurrence misses it.
+    # The first occurrence falls about when the leader is up (and armed: it has claimed nothing yet).
+    period = period_due_soon(60, STARTUP + 2)
     arm_dir = tmp_path / "arm"
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None,
                     schedule=f"{{'rare': {{'task': 't.record', 'schedule': every({period})}}}}",
@@ -540,14 +559,14 @@ def test_committed_claim_whose_reply_was_lost_is_sent_at_once_by_its_claimant_no
 
     How it fails if the behaviour breaks: a retried claim that sees its own rows as "claimed
     by another node" sends nothing; the rows wait for the sweep to adopt them after
-    claim_grace (15 s here): the promptness bound and the "(resent)" check fail, and with no
+    claim_grace (10 s here): the promptness bound and the "(resent)" check fail, and with no
     sweep the occurrences are never delivered.
     """
-    grace = 15.0  # large, so "sent promptly" (< grace / 2) and "adopted by a sweep" are far apart
+    grace = 10.0  # large, so "sent promptly" (< grace / 2) and "adopted by a sweep" are far apart
     period = 10  # bursts: the first goes out normally, the next one is armed
     arm_dir = tmp_path / "arm"
     names = ["r1", "r2", "r3"]
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
+    schedule = every_schedule(names, period)
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)
@@ -571,7 +590,7 @@ def test_committed_claim_whose_reply_was_lost_is_sent_at_once_by_its_claimant_no
     delays = [m.seen - burst.timestamp() for m in msgs]
     print(f"claim reply lost: burst delivered {max(delays):.2f}s after its instant (grace {grace:g}s)")
     # Promptly: the back-off after a store error (about 1 s), plus a loaded machine; a sweep
-    # could not adopt the rows before claim_grace (15 s) after the claim.
+    # could not adopt the rows before claim_grace (10 s) after the claim.
     assert max(delays) < grace / 2, timeline(msgs)
     time.sleep(grace + grace / 3 + 3)  # past the point where the sweep would have adopted them
     cluster.watcher.poll()
@@ -620,7 +639,7 @@ def test_claimant_paused_between_its_claim_commit_and_the_reply_never_publishes_
     arm_dir = tmp_path / "arm"
     names = ["p1", "p2", "p3"]
     period = 10  # bursts also fall due during the pause: the others send them
-    schedule = "{" + ", ".join(f"{n!r}: {{'task': 't.record', 'schedule': every({period})}}" for n in names) + "}"
+    schedule = every_schedule(names, period)
     app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url="", schedule=schedule,
                     conf=f"{{'cluster_beat_claim_grace': {grace}}}")
     cluster = make_cluster(app)

@@ -25,16 +25,23 @@ from typing import List
 
 import pytest
 
-from cluster import timeline
+from cluster import period_due_soon, timeline
 from procs import Proc, wait_for, wait_for_log, write_app
 
 pytestmark = pytest.mark.slow
 
 UTC = timezone.utc
-PERIOD = 60  # one burst a minute: nothing else falls due while the scene plays
+#: One burst a minute at least: nothing else falls due while the scene plays. The period is chosen
+#: per test (60-90 s) so that the first burst falls about STARTUP + 7 s after the replicas start:
+#: the leader is up by then and idle more than 6 s before the burst.
+MIN_PERIOD = 60
+STARTUP = 8.0
 NAMES = [f"m{i:03d}" for i in range(200)]  # one chunk (250 at most), all due at one instant
-SCHEDULE = "{" + f"f'm{{i:03d}}': {{'task': 't.record', 'schedule': every({PERIOD})}} for i in range(200)" + "}"
 FAULT_LINE = "cluster-beat fault point mid-chunk: stop"
+
+
+def schedule(period: int) -> str:
+    return "{" + f"f'm{{i:03d}}': {{'task': 't.record', 'schedule': every({period})}} for i in range(200)" + "}"
 
 
 @pytest.fixture
@@ -56,8 +63,8 @@ def at_dt(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, UTC)
 
 
-def next_boundary(after: float) -> float:
-    return (int(after // PERIOD) + 1) * PERIOD
+def next_boundary(after: float, period: int) -> float:
+    return (int(after // period) + 1) * period
 
 
 def log_tail(proc: Proc, n: int = 5000) -> str:
@@ -83,7 +90,8 @@ def test_a_leader_paused_mid_chunk_past_the_grace_publishes_none_of_the_rows_tak
     sweep = grace / 3
     arm_dir = tmp_path / "arm"
     arm_dir.mkdir()
-    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=SCHEDULE,
+    period = period_due_soon(MIN_PERIOD, STARTUP + 7)
+    app = write_app(tmp_path, broker=redis_url, db_url=pg_url, redis_url=None, schedule=schedule(period),
                     conf=f"{{'cluster_beat_claim_grace': {grace}, 'cluster_beat_lock_ttl': {ttl}}}")
     cluster = cluster_factory(app)
     cluster.start(2, env={"CCB_FAULTS": "mid-chunk=stop@50", "CCB_FAULT_ARM_DIR": str(arm_dir)})
@@ -101,13 +109,13 @@ def test_a_leader_paused_mid_chunk_past_the_grace_publishes_none_of_the_rows_tak
 
     # Arm while idle, well away from a boundary, so the hit count starts with this burst.
     def idle() -> bool:
-        to_next = next_boundary(time.time()) - time.time()
-        return 6 < to_next < PERIOD - 6 and not [
-            r for r in reader.claims(since=at_dt(time.time() - 3 * PERIOD)) if r.status == "claimed"]
+        to_next = next_boundary(time.time(), period) - time.time()
+        return 6 < to_next < period - 6 and not [
+            r for r in reader.claims(since=at_dt(time.time() - 3 * period)) if r.status == "claimed"]
 
-    wait_for(idle, 3 * PERIOD, interval=0.5, what="the leader idle, away from a boundary")
+    wait_for(idle, 3 * period, interval=0.5, what="the leader idle, away from a boundary")
     (arm_dir / f"mid-chunk-{paused.pid}").touch()
-    burst = at_dt(next_boundary(time.time()))
+    burst = at_dt(next_boundary(time.time(), period))
 
     wait_for_log(paused, FAULT_LINE, burst.timestamp() - time.time() + 60)
     stopped_at = time.time()

@@ -22,7 +22,7 @@ from procs import start_beat, start_worker, wait_for, write_app
 pytestmark = pytest.mark.slow
 
 SCHEDULE = '''{
-    "cron": {"task": "t.run", "schedule": cron("* * * * *"), "args": ("cron",)},
+    "cron": {"task": "t.run", "schedule": cron("* * * * * */5"), "args": ("cron",)},
     "every": {"task": "t.run", "schedule": every(2), "args": ("every",)},
     "jittered": {"task": "t.run", "schedule": every(3), "jitter": 2, "args": ("jittered",)},
     "expiring": {"task": "t.run", "schedule": every(2), "args": ("expiring",), "options": {"expires": 30}},
@@ -76,11 +76,12 @@ def test_every_occurrence_of_every_kind_of_entry_runs_once(broker, redis_url, tm
     worker = start_worker(app, tmp_path, concurrency=2)
     beat = start_beat(app, tmp_path, "a")
     try:
-        # A cron minute boundary (at most 60 s away) and several of each interval entry.
-        wait_for(lambda: Counter(r["kind"] for r in runs())["cron"] >= 1
+        # Cron runs (the seconds field: every 5 s, no wait for a minute boundary; the same
+        # cron path, our own arithmetic on every Celery minor) and several of each interval entry.
+        wait_for(lambda: Counter(r["kind"] for r in runs())["cron"] >= 2
                  and min(Counter(r["kind"] for r in runs()).get(k, 0) for k in
                          ("every", "jittered", "expiring", "ledger", "celery-type")) >= 3,
-                 timeout=110, interval=0.5, what="a cron run and three runs of every interval entry")
+                 timeout=110, interval=0.5, what="two cron runs and three runs of every interval entry")
         beat.stop()
         time.sleep(4)  # what beat sent last (jitter up to 2 s) reaches the worker
         seen = runs()
@@ -107,9 +108,12 @@ def test_every_occurrence_of_every_kind_of_entry_runs_once(broker, redis_url, tm
         assert r["id"], r
         if r["kind"] == "expiring":
             assert r["expires"] is not None, r
+        if r["kind"] == "cron":
+            assert _iso(r["at"]) % 5 == 0, r  # the seconds field's instants, not a minute's
         if r["kind"] == "jittered" and r["eta"] is not None:
             assert _iso(r["eta"]) >= _iso(r["at"]), r
     assert any(r["eta"] for r in seen if r["kind"] == "jittered"), "jitter never delayed a message"
+    assert any(_iso(r["at"]) % 60 for r in seen if r["kind"] == "cron"), "the cron's seconds field was ignored"
     # The ledger entry's runs are recorded in the claim table by the worker.
     ledger = sqlite3.connect(db).execute(
         "SELECT count(*) FROM cluster_beat_claims WHERE schedule = 'ledger' AND run_state = 'succeeded'"

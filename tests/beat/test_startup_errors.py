@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from celery_cluster_beat import every
 from celery_cluster_beat.dynamic import StoredSchedules
 
-from procs import App, Proc, ThrowawayRedis, start_beat, start_worker, wait_for, wait_for_log, write_app
+from procs import App, Proc, ThrowawayRedis, start_worker, wait_for, wait_for_log, write_app
 
 BROKER_DB = 7  # the Redis database of the process tests' brokers; every app has its own queue
 
@@ -312,11 +312,11 @@ def test_an_unreachable_claim_database_at_start_is_retried_and_logged_once(tmp_p
     app = write_app(tmp_path, broker=broker, db_url=url,
                     schedule="{'tick': {'task': 't.record', 'schedule': every(1)}}")
     apps.append(app)
-    beat = start_beat(app, tmp_path, "nodb")
-    procs.append(beat)
+    beat = _beat(app, tmp_path, "nodb", procs, level="debug")  # debug: each retry is seen
     outage = "the claim store is unreachable at start-up"
     wait_for_log(beat, outage, 60)
-    time.sleep(4.0)  # retries at about 1 s and 3 s after the first try
+    # A retry (about 1 s after the first try) met the outage again: logged at debug level only.
+    wait_for_log(beat, "cluster-beat: the claim store still unreachable", 30)
     out = beat.log()
     assert beat.alive(), out
     assert out.count(outage) == 1, out
@@ -378,11 +378,11 @@ def test_an_unreachable_redis_at_start_is_retried_and_logged_once(tmp_path, brok
                         redis_url=lease_redis.url,
                         schedule="{'tick': {'task': 't.record', 'schedule': every(1)}}")
         apps.append(app)
-        beat = start_beat(app, tmp_path, "noredis")
-        procs.append(beat)
+        beat = _beat(app, tmp_path, "noredis", procs, level="debug")  # debug: each retry is seen
         outage = "Redis unavailable while trying to check which claim store the lease serves"
         wait_for_log(beat, outage, 60)
-        time.sleep(3.0)  # the lease retries every 0.1 s, doubling to 2 s
+        # The lease retries every 0.1 s, doubling to 2 s: two retries met the outage again.
+        wait_for(lambda: beat.log().count("Redis still unavailable") >= 2, 30, what="two retries of Redis")
         out = beat.log()
         assert beat.alive(), out
         assert out.count("Redis unavailable") == 1, out
@@ -415,7 +415,10 @@ def test_debug_level_lists_each_schedule_with_its_next_fire(tmp_path, broker, ap
     }"""
     app = write_app(tmp_path, broker=broker, db_url=f"sqlite:///{tmp_path}/claims.sqlite3", schedule=schedule)
     apps.append(app)
+    quiet = write_app(tmp_path, broker=broker, db_url=f"sqlite:///{tmp_path}/claims2.sqlite3", schedule=schedule)
+    apps.append(quiet)
     beat = _beat(app, tmp_path, "debug", procs, level="debug")
+    info = _beat(quiet, tmp_path, "info", procs)  # side by side: the two start-ups overlap
     wait_for_log(beat, "schedule 'nightly'", 60)
     wait_for_log(beat, "schedule 'idle'", 10)
     wait_for_log(beat, "beat: Ticking with max interval", 10)  # Celery's line, once the scheduler is built
@@ -430,9 +433,6 @@ def test_debug_level_lists_each_schedule_with_its_next_fire(tmp_path, broker, ap
     assert lines["idle"].endswith("next fire disabled"), lines
     assert all("DEBUG/MainProcess" in line for line in lines.values()), lines
 
-    quiet = write_app(tmp_path, broker=broker, db_url=f"sqlite:///{tmp_path}/claims2.sqlite3", schedule=schedule)
-    apps.append(quiet)
-    info = _beat(quiet, tmp_path, "info", procs)
     wait_for_log(info, "cluster-beat: node", 60)
     time.sleep(1.0)
     assert "cluster-beat: schedule '" not in info.log()

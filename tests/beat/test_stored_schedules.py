@@ -314,7 +314,7 @@ def test_a_schedule_beyond_the_horizon_waits_in_sql_and_is_loaded_before_it_is_d
 @pytest.mark.timeout(90)
 def test_after_it_fires_a_sparse_schedule_is_handed_back_to_sql_with_its_next_occurrence(
         db_url, broker, apps, closing, monkeypatch):
-    """With a horizon of 4 s, a stored ``every(n)`` (n 6-10 s) first due 1.5-3 s after start is
+    """With a horizon of 3 s, a stored ``every(n)`` (n 5-8 s) first due 1.5-2.5 s after start is
     held; right after it fires, its next fire is past the horizon, so the scheduler writes it to
     SQL (its row's next_at is exactly the next occurrence) and forgets it (no entry, no heap
     item). The window loads it again in time and it fires at that next occurrence, once.
@@ -324,11 +324,13 @@ def test_after_it_fires_a_sparse_schedule_is_handed_back_to_sql_with_its_next_oc
     window would load it at the wrong time, and a new leader would resume from a stale
     instant), or if it is not picked up again.
     """
-    monkeypatch.setattr(stored_module, "HORIZON", HORIZON)  # the horizon's module
+    # The horizon's module; shorter than the others' (the next fire is still 2 s or more past it
+    # when the first one is handed back, as with n 6-10 s and 4 s), so the second fire comes sooner.
+    monkeypatch.setattr(stored_module, "HORIZON", HORIZON - 1)
     app = _app(apps, db_url, broker, {"static": {"task": "t.record", "schedule": _far_schedule()}})
     api = StoredSchedules(app)
     closing.append(api)
-    n = _every_first_in(1.5, 3.0, range(6, 11))
+    n = _every_first_in(1.5, 2.5, range(5, 9))
     first = api.add("sparse", "t.record", every(n)).next_at
     second = first + timedelta(seconds=n)
     sched = Scheduler(app, lazy=False)
@@ -379,7 +381,9 @@ def test_an_idle_tick_does_no_sql_with_stored_schedules(lease, db_url, broker, a
         _run_until(sched, lambda: sched._active, 10, "taking the lease")
     assert sorted(sched.entries) == ["near-%02d" % i for i in range(10)] + ["static"]
     # Settle: the first read after start-up (or after subscribing) and the first pruning pass
-    # (5 s after activation; the next one is prune_interval, an hour, away) are behind us.
+    # (due 5 s after activation, brought forward to now; the next one is prune_interval, an hour,
+    # away) are behind us.
+    sched._next_prune = time.monotonic()
     with _sql(sched) as settling:
         _run_until(sched, lambda: any(s.upper().startswith("DELETE") and STORED_TABLE in s for s in settling),
                    15, "the first pruning pass", poll=0.2)
@@ -633,7 +637,7 @@ def test_the_stale_sweep_does_not_resend_a_claim_of_a_disabled_stored_schedule(d
 @pytest.mark.timeout(90)
 def test_a_paused_old_leaders_late_hand_back_does_not_stop_a_stored_schedule(
         db_url, broker, apps, closing, monkeypatch):
-    """With the lease and a horizon of 4 s, a stored ``every(n)`` fires and is handed back to SQL
+    """With the lease and a horizon of 2 s, a stored ``every(n)`` fires and is handed back to SQL
     with its next occurrence. Then a paused old leader (a lower term) wakes and hands the same
     schedule back with the instant it had computed before (the first one): refused with
     StaleTermError; a node without a term writing it is not written either (never backwards).
@@ -641,12 +645,14 @@ def test_a_paused_old_leaders_late_hand_back_does_not_stop_a_stored_schedule(
 
     Fails if the hand-back is not fenced and may move next_at back: the window, which reads only
     forward, would never load the schedule again, and it would not fire until changed."""
-    monkeypatch.setattr(stored_module, "HORIZON", HORIZON)
+    # A shorter horizon than the others' (the window is not what is checked here): the next fire
+    # is still 3 s or more past it when the first one is handed back, and comes sooner.
+    monkeypatch.setattr(stored_module, "HORIZON", HORIZON / 2)
     app = _app(apps, db_url, broker, {"static": {"task": "t.record", "schedule": _far_schedule()}},
                cluster_beat_redis_url=broker)
     api = StoredSchedules(app)
     closing.append(api)
-    n = _every_first_in(2.0, 4.0, range(7, 11))
+    n = _every_first_in(2.0, 4.0, range(5, 9))
     first = api.add("sparse", "t.record", every(n)).next_at
     second = first + timedelta(seconds=n)
     sched = Scheduler(app, lazy=False)

@@ -515,14 +515,26 @@ def broker_check(app: "procs.App", db_url: str, stored: Stored, since: datetime,
             problems.append(f"body not JSON ({exc.__class__.__name__})")
         if problems:
             out.forged.append(f"{name!r} {at_text}: {'; '.join(problems)}")
+    def ended(r: Any) -> bool:  # failed with the reason, or missed by the catch-up policy of a late pass
+        return (r.status == "failed" and bool(r.reason) and "options" in r.reason) or \
+            (r.status == "missed" and r.reason == "catchup")
+
+    # A refused row's occurrence is claimed, then marked failed in the next transaction: a read
+    # between the two sees it claimed. Such rows are read again for up to 10 s (a loaded machine);
+    # one still claimed then, or sent, is a problem.
+    deadline = time.monotonic() + 10
+    while True:
+        in_flight = [k for k, r in rows.items() if k[0] in refused and r.status == "claimed"]
+        if not in_flight or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        again = {(r.schedule, r.scheduled_at): r for r in claims(db_url, None, since) if r.schedule in refused}
+        rows.update({k: again[k] for k in in_flight if k in again})
     per: Dict[str, List[Any]] = {}
     for (name, _), row in rows.items():
         if name in refused:
             per.setdefault(name, []).append(row)
     out.refused_due = len(per)
-    def ended(r: Any) -> bool:  # failed with the reason, or missed by the catch-up policy of a late pass
-        return (r.status == "failed" and bool(r.reason) and "options" in r.reason) or \
-            (r.status == "missed" and r.reason == "catchup")
 
     for name, rs in sorted(per.items()):
         if all(ended(r) for r in rs) and any(r.status == "failed" for r in rs):

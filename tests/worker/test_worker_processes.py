@@ -305,6 +305,9 @@ def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_pro
     s.publish("t.limited", timed)
     s.publish("t.slow", killed, (120.0,))
     s.wait_row(killed, lambda r: r.run_state == "running", 60, "the run to be revoked to start")
+    # The row says running a moment before the body notes its run: revoked in between, the body
+    # would never have run, and "ran once, never again" below could not be told from "never ran".
+    procs.wait_for(lambda: len(s.runs(killed.task_id)) == 1, 60, interval=0.05, what="the body to start")
     # SIGKILL: the body records nothing; SIGTERM reaches it as SystemExit (it records 'lost', acks_late):
     # either way the main process's verdict stands, as Celery acknowledged the message.
     s.producer.control.revoke(killed.task_id, terminate=True, signal="SIGKILL")
@@ -312,6 +315,7 @@ def test_a_hard_time_limit_and_a_terminating_revoke_are_recorded_by_the_main_pro
     assert r.run_error.startswith("TimeLimitExceeded") and r.finished_at is not None, r
     s.publish("t.slow", termed, (120.0,))
     s.wait_row(termed, lambda r: r.run_state == "running", 60, "the second run to be revoked to start")
+    procs.wait_for(lambda: len(s.runs(termed.task_id)) == 1, 60, interval=0.05, what="the second body to start")
     s.producer.control.revoke(termed.task_id, terminate=True)
     for o in (killed, termed):
         r = s.wait_row(o, lambda r: r.run_state == "failed", 60, "the terminating revoke to be recorded")

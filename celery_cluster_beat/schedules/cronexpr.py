@@ -6,8 +6,8 @@ croniter involved). On top of it, the extensions croniter (the peer users compar
 with) reads the same way:
 
 * ranges that wrap: ``22-2`` in hours is 22,23,0,1,2 and ``fri-mon`` is Fri-Mon;
-  a step over a wrapping range is refused (croniter restarts the step at the
-  wrap, other tools continue it: ``23-3/2`` would mean two things);
+  a step over a wrapping range counts as croniter counts it (:func:`_wrapped`:
+  ``Thu-Tue/2`` is Thu, Sat, Tue; ``23-3/2`` in hours is 23, 2);
 * ``L``, ``W`` and ``#`` in the day fields (:mod:`.cronext`, parsed with croniter);
 * croniter's optional sixth field, *seconds*, after day-of-week
   (``m h dom mon dow sec``).
@@ -293,6 +293,10 @@ def parse_cron(expr: str, *, day_rule: DayRule = DayRule.VIXIE) -> CronSpec:
     dow_star = fields[4].startswith("*")
     selector = None
     if has_day_extension("day-of-month", fields[2]) or has_day_extension("day-of-week", fields[4]):
+        if day_rule != DayRule.VIXIE:  # the selector combines the day fields as croniter does, never AND
+            rule = getattr(day_rule, "value", day_rule)
+            raise ScheduleError(f"cron {expr!r}: day rule {rule!r} applies to plain day fields only, "
+                                "not to 'L', 'W' or '#' (they combine as in croniter)")
         minutes, hours, months_set = (_parse_field(expr, FIELD_NAMES[i], fields[i]) for i in (0, 1, 3))
         months = tuple(sorted(months_set))
         selector = parse_day_fields(expr, fields[2], fields[4], months, _parse_field)

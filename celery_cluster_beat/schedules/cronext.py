@@ -7,9 +7,10 @@ and a selector answers one question: does the date (year, month, day, weekday) m
 What is accepted is what croniter accepts *and* reads the way we do. Each extended day
 field is handed to ``croniter.expand`` (the peer users compare with), and its reading
 (``'l'`` markers, the nearest-weekday day, the nth-weekday mapping, the plain day
-numbers) is what the selector is built from; where croniter reads a plain term
-differently from Vixie (``1-1`` is the whole month to croniter, 1 to Vixie) the
-expression is refused rather than given one of two meanings. croniter is imported on
+numbers) must equal our own reading, which is what the selector is built from (so the
+instants never depend on the croniter release a replica has); where croniter reads a
+term differently (``1-1`` is the whole month to croniter, 1 to Vixie) the expression is
+refused rather than given one of two meanings. croniter is imported on
 first use only: a plain Vixie expression never loads it.
 
 The meanings (croniter 6.2+, the first with ``W``):
@@ -39,7 +40,7 @@ from __future__ import annotations
 import calendar
 import re
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Set, Tuple
 
 from .errors import ScheduleError
 
@@ -184,8 +185,15 @@ def _dom_selector_parts(expr: str, text: str, plain: PlainParser) -> Tuple[Froze
     return days, last, nearest
 
 
-def _dow_nth(expr: str, text: str) -> Tuple[Tuple[int, FrozenSet[int]], ...]:
+def _dow_nth(expr: str, text: str, plain: PlainParser) -> Tuple[Tuple[int, FrozenSet[int]], ...]:
+    """The (weekday, occurrences) pairs of a day-of-week field of ``n#k`` / ``Ln`` terms.
+
+    Read by our own parser (each term's weekday part is a plain day-of-week value or range)
+    and only *checked* against croniter's reading: the instants never depend on which
+    croniter release a replica has installed; a release reading a term otherwise refuses it.
+    """
     low = text.lower()
+    ours: Dict[int, Set[int]] = {}
     for term in low.split(","):
         m = _QUARTZ_LAST_DOW.match(term)
         if m:
@@ -197,18 +205,24 @@ def _dow_nth(expr: str, text: str) -> Tuple[Tuple[int, FrozenSet[int]], ...]:
         m = _NTH_TERM.match(term)
         if m and not 1 <= int(m.group(2)) <= 5:
             raise _fail(expr, "day-of-week", f"{text!r}: nth weekday {m.group(2)} in {term!r} is out of range 1-5")
-        if not (m or _LAST_DOW.match(term)):
+        last = _LAST_DOW.match(term)
+        if not (m or last):
             raise _fail(expr, "day-of-week", f"{text!r}: {term!r} cannot be listed with '#' or 'L<n>' terms "
                                              "(as in croniter: write each weekday as 'n#k' or 'Ln')")
+        weekdays, occurrence = (plain(expr, "day-of-week", m.group(1)), int(m.group(2))) if m else (
+            plain(expr, "day-of-week", last.group(1)), _LAST_NTH)
+        for weekday in weekdays:
+            ours.setdefault(weekday, set()).add(occurrence)
     expanded, nth = _croniter_expand(expr, "day-of-week", text, f"0 0 * * {text}")
-    out = []
-    for weekday, occurrences in sorted(nth.items(), key=lambda kv: str(kv[0])):
-        if not isinstance(weekday, int) or not 0 <= weekday <= 6:  # pragma: no cover - croniter's contract
-            raise _fail(expr, "day-of-week", f"{text!r} is not accepted (croniter read weekday {weekday!r})")
-        out.append((weekday, frozenset(_LAST_NTH if n == "l" else int(n) for n in occurrences)))
-    if set(expanded[4]) - {w for w, _ in out}:  # pragma: no cover - refused above, and by croniter
-        raise _fail(expr, "day-of-week", f"{text!r} mixes plain weekdays with '#'/'L<n>' terms")
-    return tuple(out)
+    try:
+        theirs = {weekday: {_LAST_NTH if n == "l" else int(n) for n in occurrences}
+                  for weekday, occurrences in nth.items()}
+    except (TypeError, ValueError):  # pragma: no cover - croniter's contract
+        theirs = None
+    if theirs != ours or set(expanded[4]) - set(ours):
+        raise _fail(expr, "day-of-week", f"{text!r} is not accepted: croniter reads it otherwise "
+                                         f"({nth!r}); write each weekday as 'n#k' or 'Ln'")
+    return tuple((weekday, frozenset(ours[weekday])) for weekday in sorted(ours))
 
 
 def parse_day_fields(expr: str, dom_text: str, dow_text: str, months: Tuple[int, ...],
@@ -229,7 +243,7 @@ def parse_day_fields(expr: str, dom_text: str, dow_text: str, months: Tuple[int,
         days, last, nearest = plain(expr, "day-of-month", dom_text), False, None
     nth: Tuple[Tuple[int, FrozenSet[int]], ...] = ()
     if dow_ext:
-        nth = _dow_nth(expr, dow_text)
+        nth = _dow_nth(expr, dow_text, plain)
         weekdays: FrozenSet[int] = frozenset()
     else:
         weekdays = plain(expr, "day-of-week", dow_text)

@@ -3,7 +3,7 @@
 Stored schedules keep their rule as plain text plus a zone name (never a
 pickle), so any replica, release or operator reads the same thing:
 
-* cron: the five fields as written, e.g. ``*/5 9-17 * * 1-5``;
+* cron: the fields as written, e.g. ``*/5 9-17 * * 1-5`` or ``0 0 L * fri 30`` (six with seconds last);
 * every: ``every <seconds>s`` on the epoch grid, or ``every <seconds>s from HH:MM``
   anchored daily in the zone.
 

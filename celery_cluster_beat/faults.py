@@ -11,7 +11,9 @@ signal lands there. Without the variable :func:`hit` is one dict lookup.
 * ``kill``: SIGKILL this process (nothing after the point runs);
 * ``stop``: SIGSTOP this process (the test sends SIGCONT);
 * ``sleep:S``: sleep S seconds (a pause the process itself does not notice);
-* ``error``: raise the exception the call site names (e.g. a lost reply).
+* ``error``: raise the exception the call site names (e.g. a lost reply);
+* ``term``: SIGTERM this process (a clean stop arriving exactly here: beat's
+  handler runs before the point returns, unless the send path holds the stop).
 
 ``@n`` fires on the n-th hit of the point (default the first), once. With
 ``CCB_FAULT_ARM_DIR`` set, a point counts hits only while the file
@@ -35,6 +37,7 @@ POINTS = frozenset({
     "claim-in-transaction",  # inside the claim transaction, after the fence, before the insert
     "before-publish",  # a publish chunk passed its ownership check, nothing sent yet
     "mid-chunk",  # between two messages of a publish chunk (on Redis: buffered, not yet flushed)
+    "published",  # a publish chunk is on the broker, not yet owed a 'sent' mark (stop held here)
     "after-flush",  # a publish chunk is on the broker, its rows not yet marked sent
     "after-mark",  # a publish chunk's rows are marked sent
 })
@@ -87,6 +90,8 @@ def hit(point: str, error: Optional[Type[BaseException]] = None) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action.startswith("sleep:"):
         time.sleep(float(action.split(":", 1)[1]))
+    elif action == "term":
+        signal.raise_signal(signal.SIGTERM)  # the handler runs before this returns (PyErr_CheckSignals)
     elif action == "error":
         raise (error or RuntimeError)(f"fault point {point}")
     else:

@@ -17,7 +17,9 @@ so a row taken over by another node, or a node fenced out, is never published
 here. After each chunk its rows are marked sent, and a burst stops
 when a mark fails. A crash can therefore leave at most one chunk published but
 not marked: those are resent with the same task id, which the worker-side
-ledger turns into a skipped duplicate.
+ledger turns into a skipped duplicate. A clean stop leaves none: beat's SIGTERM
+handler is held from a chunk's publish until what went out is owed its mark
+(:mod:`.stophold`), and ``close()`` records that before it hands anything over.
 
 The pipeline raises :class:`~celery_cluster_beat.store.StoreUnavailable` and
 :class:`~celery_cluster_beat.store.StaleTermError` to the scheduler, which owns
@@ -43,6 +45,7 @@ from .guard import OverlapGuard
 from .jitter import jitter_delay
 from .outcomes import Outcome, Reporter
 from .publisher import Dispatch, Ownership, Publisher, Withheld
+from .stophold import stop_held
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -228,10 +231,12 @@ class SendPipeline:
                 continue
             part = [p for p, _ in built]
             ownership = Ownership(part_confirmed_at, self.recheck_after, self._reconfirmer(part))
-            errors = self.publisher.publish([d for _, d in built], ownership)
-            # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
-            # stop before the mark below (close() settles what is owed).
-            self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
+            with stop_held():  # a stop in the publish would hand over what went out (see .stophold)
+                errors = self.publisher.publish([d for _, d in built], ownership)
+                faults.hit("published")
+                # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
+                # stop before the mark below (close() settles what is owed).
+                self.unmarked.extend(p.occ for p, err in zip(part, errors) if err is None)
             faults.hit("after-flush")
             self._mark_sent()
             faults.hit("after-mark")

@@ -105,6 +105,8 @@ class SendPipeline:
         self._claim_token: Optional[str] = None
         #: Our claimed rows must be handed over (release) once the store answers again.
         self._release_owed = False
+        #: A chunk is being published: what went out is not yet in :attr:`unmarked` (see abandon()).
+        self._publishing = False
         #: Entries of schedules not held in memory, by name (stored schedules due later): a stale
         #: claim of one is still resent. The scheduler sets it; without it such claims fail.
         self.resolve: Callable[[List[str]], Dict[str, Entry]] = lambda names: {}
@@ -134,6 +136,11 @@ class SendPipeline:
             except StoreUnavailable as exc:
                 logger.warning("cluster-beat: cannot record %d buffered occurrence(s) as skipped (%s)",
                                len(buffered), exc)
+        if self._publishing:
+            # Given up from inside a publish (a re-confirmation found the lease lost): the messages
+            # of this chunk that went out are not in `unmarked` yet, and released now they would be
+            # resent at once. send() records them, then settles.
+            return
         self.settle()
 
     @property
@@ -232,7 +239,11 @@ class SendPipeline:
             part = [p for p, _ in built]
             ownership = Ownership(part_confirmed_at, self.recheck_after, self._reconfirmer(part))
             with stop_held():  # a stop in the publish would hand over what went out (see .stophold)
-                errors = self.publisher.publish([d for _, d in built], ownership)
+                self._publishing = True
+                try:
+                    errors = self.publisher.publish([d for _, d in built], ownership)
+                finally:
+                    self._publishing = False
                 faults.hit("published")
                 # Out on the broker: owed a 'sent' mark from now on, even if the process is told to
                 # stop before the mark below (close() settles what is owed).
@@ -240,6 +251,8 @@ class SendPipeline:
             faults.hit("after-flush")
             self._mark_sent()
             faults.hit("after-mark")
+            if self._release_owed and not self.unmarked:  # given up during the publish: hand over now
+                self.settle()
             for p, err in zip(part, errors):  # what went out first: no store call can stop this
                 if err is not None:
                     continue

@@ -1,8 +1,10 @@
-"""The stop hold of the send path (celery_cluster_beat.beat.stophold), in-process.
+"""Nothing a publish put out is handed over unrecorded, in-process.
 
 Beat's SIGTERM handler raises SystemExit wherever the loop is; between a chunk's publish
 and the moment its messages are owed a 'sent' mark the handler must wait, then run once,
-exactly as installed. (The real-process proof is tests/beat/test_faults_stop.py.)
+exactly as installed (celery_cluster_beat.beat.stophold; the real-process proof is
+tests/beat/test_faults_stop.py). The same goes for a node that stops scheduling from
+inside a publish (SendPipeline.abandon while publishing): it records, then releases.
 """
 from __future__ import annotations
 
@@ -77,3 +79,65 @@ def test_a_default_disposition_is_not_held_and_other_threads_hold_nothing(beat_h
     t.start()
     t.join(5)
     assert seen == [handler]
+
+
+# ----------------------------------------------------------------------------- giving up inside a publish
+
+
+@pytest.mark.timeout(60)
+def test_giving_up_inside_a_publish_records_what_went_out_before_handing_over(db, broker):
+    """The same hand-over window without a signal: the node stops scheduling from inside a publish
+    (a re-confirmation mid-chunk found the lease lost: Leadership.deactivate via still_leader).
+    What the publish had put out must be marked ``sent`` by this node before its claims are released.
+
+    Fails if abandon() releases at once: the published row is handed over unrecorded (its node
+    cleared, still ``claimed``), the 'sent' mark then misses it, and the next leader's sweep
+    resends it at once.
+    """
+    import time
+    import uuid
+
+    import redis
+    from celery import Celery
+
+    from celery_cluster_beat import every
+    from celery_cluster_beat.beat.scheduler import Scheduler
+    from celery_cluster_beat.store import ClaimStore
+
+    name = "ccb_giveup_" + uuid.uuid4().hex[:8]
+    app = Celery(name, broker=broker)
+    app.conf.update(task_default_queue="q_" + name, cluster_beat_db_url=db, cluster_beat_redis_url="",
+                    cluster_beat_node_id="node-giveup", beat_schedule={"tick": {"task": "t.record",
+                                                                                "schedule": every(1)}})
+    sched = Scheduler(app, lazy=False)
+    publish = sched._pipeline.publisher.publish
+    published = []
+
+    def publish_then_give_up(dispatches, ownership=None):
+        errors = publish(dispatches, ownership)
+        if not published:
+            published.extend(d.occurrence for d, err in zip(dispatches, errors) if err is None)
+            sched._leadership.deactivate("the lease was lost (found by a re-confirmation mid-publish)")
+        return errors
+
+    sched._pipeline.publisher.publish = publish_then_give_up
+    try:
+        deadline = time.monotonic() + 20
+        while not published and time.monotonic() < deadline:
+            time.sleep(min(sched.tick(), 0.05))
+        assert published, "nothing was published within 20 s"
+    finally:
+        sched.close()
+        client = redis.Redis.from_url(broker)
+        client.delete(app.conf.task_default_queue)
+        client.close()
+        app.close()
+    reader = ClaimStore(db, node_id="reader")
+    reader.open()
+    try:
+        rows = {r.scheduled_at: r for r in reader.claims("tick")}
+    finally:
+        reader.close()
+    for occ in published:
+        row = rows[occ.at]
+        assert (row.status, row.node) == ("sent", "node-giveup"), row

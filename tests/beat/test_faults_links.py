@@ -47,6 +47,13 @@ PG_PORT = 5432
 #: Short lease and grace keep the tests short; the bounds below are derived from them.
 TTL = 3.0
 GRACE = 6.0
+#: How long the leader's link to the database is cut in test 2: long enough for the step-aside
+#: (after TTL), the hand-over (bound TTL + GRACE / 3 + 5 s) and several seconds of sending by
+#: the new leader. The cut-off node's store back-off (0.5 s * 2**n, at most 30 s) retries at
+#: +1, +3, +7, +15 and +31 s after its first failure (which comes after the cut): a 14 s cut
+#: ends before the retry at +15 s, so it is back at once, where any cut of 15-31 s costs as
+#: much as one of 31 s.
+CUT = 14.0
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -158,8 +165,13 @@ def _no_crash(proc: Proc) -> None:
     assert "Traceback" not in log and "unexpected error in the scheduling loop" not in log, log[-4000:]
 
 
-def _assert_sent_once(msgs: list[Seen]) -> None:
-    assert not duplicates(msgs), f"occurrences sent twice: {duplicates(msgs)}\n{timeline(msgs)}"
+def _assert_sent_once(msgs: list[Seen], crash_window: frozenset = frozenset()) -> None:
+    """Each occurrence reached the broker once, with one task id. Those in *crash_window* (published
+    by a node cut off before their 'sent' mark: the documented window) may have one same-id resend
+    by another node, no more."""
+    twice = {k: v for k, v in duplicates(msgs).items()
+             if k[1] not in crash_window or len(v) != 2 or len(set(v)) != 2}
+    assert not twice, f"occurrences sent twice: {twice}\n{timeline(msgs)}"
     ids: dict[tuple, set] = {}
     for m in msgs:
         ids.setdefault((m.schedule, m.at), set()).add(m.task_id)
@@ -232,13 +244,13 @@ def test_beat_with_a_host_clock_30s_off_fires_on_the_database_clock(
 def test_leader_cut_off_from_the_database_hands_over_and_lives_on_as_a_standby(
         tmp_path, redis_url, pg_url, cluster_factory):
     """Window: the leader still holds the Redis lease (Redis is fine) but its claim database is
-    unreachable for 30 s. Once the store has been down for one lease ttl it steps aside (releases the
+    unreachable for 14 s (CUT). Once the store has been down for one lease ttl it steps aside (releases the
     lease), so a replica that can reach the database schedules meanwhile; what nobody sent is on
     record as missed, nothing reaches the broker twice, and the cut-off node survives the outage
     as a standby.
 
     Fails if the cut-off leader keeps the lease (it renews it in Redis while its claims fail: no
-    other replica would send during the 30 s, so the hand-over deadline and the 15-of-30 count fail),
+    other replica would send during the cut, so the hand-over deadline and the sent count fail),
     if the take-over resends or double-sends (duplicates), drops occurrences silently (no 'missed'
     row), or if the old leader crashes or never comes back to the database.
     """
@@ -251,34 +263,43 @@ def test_leader_cut_off_from_the_database_hands_over_and_lives_on_as_a_standby(
         old_proc = cluster.proc(old)
         proxy = proxies[old_proc.pid]
 
-        # Cut in the leader's idle time: its last send marked 'sent', the next occurrence not yet due.
+        # Cut in the leader's idle time: its last send marked 'sent', the next occurrence not yet claimed
+        # (claimed ahead 0.5 s before its instant: claim_ahead = min(0.5 s, GRACE / 8)).
         # (A cut between a publish and its 'sent' mark leaves a 'claimed' row that the successor's sweep
         # resends, with the same task id, once the claimant's heartbeat is older than the grace: the
         # documented crash window, which a partition hits too. This test covers the hand-over.)
         reader = stack.enter_context(_reader(pg_url))
+        seen_last = []
 
         def idle() -> bool:
             last = cluster.watcher.messages()[-1]
-            if last.node != old or time.time() > last.at.timestamp() + 0.7:
+            if last.node != old or time.time() > last.at.timestamp() + 0.3:
                 return False
             rows = reader.claims("tick", since=last.at, limit=1)
-            return bool(rows) and rows[0].status == "sent" and time.time() < last.at.timestamp() + 0.8
+            seen_last[:] = [last.at]
+            return bool(rows) and rows[0].status == "sent" and time.time() < last.at.timestamp() + 0.35
 
-        wait_for(idle, 60, interval=0.1, what="the leader idle between two sends")
+        wait_for(idle, 60, interval=0.05, what="the leader idle between two sends")
         proxy.cut()
         cut_at = time.time()
+        # A machine stalled between the check and the cut (past the next claim-ahead): that occurrence was
+        # claimed before the cut and goes out at its instant while its mark cannot: the crash window above.
+        crash_window = frozenset(r.scheduled_at for r in reader.claims("tick", since=seen_last[0] + SECOND)
+                                 if r.node == old)
         with _logs_on_failure(*cluster.procs):
             first_new = cluster.watcher.wait_for(lambda m: m.node != old and m.seen > cut_at, 60,
                                                  "another replica sending after the leader's cut")
         handover = first_new.seen - cut_at
-        time.sleep(max(0.0, cut_at + 30 - time.time()))
+        time.sleep(max(0.0, cut_at + CUT - time.time()))
         proxy.restore()
         restored_at = time.time()
         print(f"cut-off leader: another replica sent {handover:.2f}s after the cut")
+        if crash_window:
+            print(f"cut after the next claim-ahead: {sorted(crash_window)} in the crash window")
 
         # The first send of another replica: within one lease ttl of the store failing (detected by the
         # next claim, within claim_grace/3 by housekeeping at worst), plus the hand-over. Margin 5 s for a
-        # loaded machine; without the step-aside nobody else would send for the whole 30 s.
+        # loaded machine; without the step-aside nobody else would send for the whole cut.
         bound = TTL + GRACE / 3 + 5.0
         assert handover <= bound, f"hand-over took {handover:.1f}s (> {bound:.0f}s)\n{cluster.logs()}"
         log = old_proc.log()
@@ -294,17 +315,19 @@ def test_leader_cut_off_from_the_database_hands_over_and_lives_on_as_a_standby(
         time.sleep(2)
         msgs = cluster.watcher.messages()
         _no_crash(old_proc)
-        _assert_sent_once(msgs)
-        assert not [m for m in msgs if m.node == old and m.seen > cut_at], timeline(msgs)
+        _assert_sent_once(msgs, crash_window)
+        assert not [m for m in msgs if m.node == old and m.seen > cut_at and m.at not in crash_window], \
+            timeline(msgs)
 
-        # During the cut: most occurrences were sent (by the new leader), each other one is recorded missed.
+        # During the cut: every occurrence from the hand-over on was sent (by the new leader; 3 s of room
+        # for a loaded machine), each other one is recorded missed.
         rows = {r.scheduled_at: r for r in claim_rows(pg_url)}
         sent = {m.at for m in msgs}
         start = datetime.fromtimestamp(int(cut_at) + 1, UTC)
         window = [start + i * SECOND for i in range(int(restored_at - start.timestamp()))]
         unsent = [at for at in window if at not in sent]
-        print(f"during the 30 s cut: {len(window) - len(unsent)} of {len(window)} occurrences sent")
-        assert len(window) >= 28 and len(window) - len(unsent) >= 15, timeline(msgs)
+        print(f"during the {CUT:g} s cut: {len(window) - len(unsent)} of {len(window)} occurrences sent")
+        assert len(window) >= CUT - 2 and len(unsent) <= handover + 3, timeline(msgs)
         for at in unsent:
             assert at in rows and rows[at].status == "missed", (at, rows.get(at), timeline(msgs))
         for at in window:
@@ -312,6 +335,9 @@ def test_leader_cut_off_from_the_database_hands_over_and_lives_on_as_a_standby(
                 assert rows[at].status == "sent", (at, rows[at])
 
         # It is a working standby: with the two others stopped (the standby first), it leads again.
+        # (The leader's SIGTERM often lands within tens of ms of one of its publishes: one that landed
+        # inside it used to hand the published row over unrecorded, and the formerly cut-off node
+        # resent it on taking over; tests/beat/test_faults_stop.py hits that window on purpose.)
         others = [p for p in cluster.procs if p is not old_proc]
         current = msgs[-1].node
         for p in sorted(others, key=lambda p: p.pid == node_pid(current)):
@@ -322,7 +348,7 @@ def test_leader_cut_off_from_the_database_hands_over_and_lives_on_as_a_standby(
                                      "the formerly cut-off node leading again")
         time.sleep(2)
         _no_crash(old_proc)
-        _assert_sent_once(cluster.watcher.messages())
+        _assert_sent_once(cluster.watcher.messages(), crash_window)
 
 
 # ----------------------------------------------------------------------------- 3. standby cut off

@@ -21,6 +21,7 @@ from ..config import Entry
 from ..dynamic import entry_from_row
 from ..errors import ConfigError
 from ..schedules.occurrence import Occurrence
+from .backfills import Backfills
 from .state import NodeState
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -50,6 +51,8 @@ class Controls:
         self.version = 0
         #: Run-now requests not handled yet: name -> (request id, the instant to run for).
         self.run_requests: Dict[str, Tuple[str, datetime]] = {}
+        #: Backfill requests (:mod:`.backfills`): read when the change counter moves.
+        self.backfills = Backfills(node, resolve=resolve, forget=forget)
 
     def reset(self, rows, version: int) -> None:
         """This node starts scheduling: the controls in force (*rows*, read at counter *version*)."""
@@ -57,6 +60,7 @@ class Controls:
         self.paused.update(c.name for c in rows if c.paused)
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
+        self.backfills.wanted = True  # requests made while no node scheduling: served now
         self.version = version
 
     def apply(self, rows) -> None:

@@ -22,6 +22,7 @@ from ..dynamic import entry_from_row
 from ..errors import ConfigError
 from ..schedules.occurrence import Occurrence
 from .backfills import Backfills
+from .failures import FailureWatch
 from .state import NodeState
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -53,6 +54,9 @@ class Controls:
         self.run_requests: Dict[str, Tuple[str, datetime]] = {}
         #: Backfill requests (:mod:`.backfills`): read when the change counter moves.
         self.backfills = Backfills(node, resolve=resolve, forget=forget)
+        #: ``pause_after_failures`` (:mod:`.failures`): pauses through :meth:`apply` like an operator's.
+        self.failures = FailureWatch(node, paused=self.paused, resolve=resolve, forget=forget,
+                                     paused_now=lambda name: self.apply(node.store.controls([name])))
 
     def reset(self, rows, version: int) -> None:
         """This node starts scheduling: the controls in force (*rows*, read at counter *version*)."""
@@ -61,6 +65,7 @@ class Controls:
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
         self.backfills.wanted = True  # requests made while no node scheduling: served now
+        self.failures.reset()
         self.version = version
 
     def apply(self, rows) -> None:
@@ -74,6 +79,7 @@ class Controls:
             elif not row.paused and row.name in self.paused:
                 self._resume(row.name, now)  # raises on a store error: the control is read again
                 self.paused.discard(row.name)
+                self.failures.resumed(row.name)
             if row.run_request and row.run_requested_at is not None:
                 self.run_requests[row.name] = (row.run_request, row.run_requested_at)
 

@@ -110,6 +110,8 @@ class SendPipeline:
         self.resolve: Callable[[List[str]], Dict[str, Entry]] = lambda names: {}
         #: Names an operator paused (the scheduler's set): a stale claim of one is not resent.
         self.paused: Set[str] = set()
+        #: Told of every run that went out (``pause_after_failures`` without the ledger watches them).
+        self.on_sent: Callable[[Entry, Occurrence], None] = lambda entry, occ: None
 
     # -- the scheduler's view ------------------------------------------------------
     def next_retry_in(self) -> Optional[float]:
@@ -257,6 +259,7 @@ class SendPipeline:
                 p.entry.last_run_at = p.occ.at
                 p.entry.total_run_count += 1
                 self.guard.sent(p.entry, p.occ)  # the overlap guard must see every send, retries too
+                self.on_sent(p.entry, p.occ)
                 reason = f"after {p.attempt - 1} failed attempt(s)" if p.attempt > 1 else None
                 outcome = Outcome.RESENT if p.resent else Outcome.BACKFILLED if p.backfill else Outcome.SENT
                 self.report(outcome, p.occ, reason, p.entry, log=log_each or p.attempt > 1)

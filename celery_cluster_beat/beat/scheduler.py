@@ -303,6 +303,9 @@ class Scheduler(beat.Scheduler):
             backoff.guarded(node.pipeline.run_retries, "retrying sends")
         if store_ok and node.guard.has_buffered():
             backoff.guarded(self._due.run_buffered, "sending buffered runs")
+        failures = self._stored.controls.failures
+        if store_ok and node.active and failures.due(time.monotonic()):
+            backoff.guarded(failures.check, "looking for failed runs (pause_after_failures)")
         if store_ok and self._upkeep.prune_due():
             self._upkeep.prune()
         self._prep.run()

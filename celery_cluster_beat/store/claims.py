@@ -52,6 +52,7 @@ from .ledger import LedgerQueries
 from .opsqueries import OpsQueries
 from .pagequeries import PageQueries
 from .backfill import BackfillQueries
+from .failures import FailureQueries
 from .prepare import SchemaPreparation
 from .pruning import PRUNE_STATEMENT_TIMEOUT, PruneQueries  # noqa: F401  (importable from here as before)
 from .reads import StateQueries
@@ -79,6 +80,7 @@ class ClaimStore(
     StoredScheduleQueries,
     ControlQueries,
     BackfillQueries,
+    FailureQueries,
     OpsQueries,
     PageQueries,
     SchemaPreparation,

@@ -119,12 +119,13 @@ class ControlQueries:
 
     @database_errors
     def set_paused(self, name: str, paused: bool, *, by: Optional[str] = None,
-                   note: Optional[str] = None) -> Tuple[int, bool]:
+                   note: Optional[str] = None, replace_note: bool = True) -> Tuple[int, bool]:
         """Pause or resume schedule *name*; (the change counter's new value, whether it changed).
 
         *note*: why it is paused, shown to operators (clipped to :data:`MAX_NOTE_LENGTH`
         characters; ValueError for control or bidi characters). Pausing a schedule paused already
-        with a note replaces the note; resuming clears it."""
+        with a note replaces the note (unless *replace_note* is False: the leader's own pause after
+        failures leaves an operator's pause as it is); resuming clears it."""
         self._check(name)
         note = pause_note(note) if paused else None
         c = controls_table
@@ -140,7 +141,7 @@ class ControlQueries:
                               paused_by=clip(by, MAX_NAME_LENGTH) if (paused and by) else None)
                 if not paused:
                     values["resumed_at"] = now
-            elif paused and note is not None:
+            elif paused and note is not None and replace_note:
                 # Paused already: the new reason replaces the old one, with its author (a note read
                 # as "paused by alice: <bob's reason>" would put words in alice's mouth); when stays.
                 values["paused_note"] = note

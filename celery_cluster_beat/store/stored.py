@@ -54,6 +54,9 @@ class StoredRow:
     created_at: datetime
     changed_at: datetime
     next_at: Optional[datetime]
+    #: Version 6: pause after this many consecutive failed runs (None: never). Last, with a default,
+    #: so rows built by position before it existed still read right.
+    pause_after_failures: Optional[int] = None
 
 
 _FIELDS = [f.name for f in fields(StoredRow)]

@@ -58,13 +58,14 @@ class Controls:
         self.failures = FailureWatch(node, paused=self.paused, resolve=resolve, forget=forget,
                                      paused_now=lambda name: self.apply(node.store.controls([name])))
 
-    def reset(self, rows, version: int) -> None:
-        """This node starts scheduling: the controls in force (*rows*, read at counter *version*)."""
+    def reset(self, rows, version: int, *, backfills: bool = False) -> None:
+        """This node starts scheduling: the controls in force (*rows*, read at counter *version*);
+        *backfills*: backfill requests are pending (made while no node scheduled: served now)."""
         self.paused.clear()
         self.paused.update(c.name for c in rows if c.paused)
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
-        self.backfills.wanted = True  # requests made while no node scheduling: served now
+        self.backfills.wanted = backfills
         self.failures.reset()
         self.version = version
 

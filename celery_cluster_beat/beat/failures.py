@@ -4,8 +4,9 @@
 claim rows. Without the ledger, from the result backend, where the overlap guard reads task states
 (its reader is reused: :attr:`~.guard.OverlapGuard.states`).
 
-**When it is looked at.** Off the hot path: a pass every :data:`CHECK_EVERY` seconds on the node
-holding the lease, between due passes. Ledger: one indexed SELECT of the runs recorded ``failed``
+**When it is looked at.** Off the hot path: in the housekeeping of the node holding the lease
+(every ``claim_grace / 3``, beside its heartbeat; never more often than :data:`CHECK_EVERY`
+seconds), so a tick with nothing due still issues no SQL. Ledger: one indexed SELECT of the runs recorded ``failed``
 since the previous pass (:meth:`~..store.failures.FailureQueries.failed_since`); when it finds
 none, that is all, whatever the number of schedules. Only a schedule with a new failure and the
 setting is judged, by one more read of its last N ended runs. Result backend: the runs this node
@@ -82,6 +83,8 @@ class FailureWatch:
         self._forget = forget
         self._paused_now = paused_now
         self.next_check = 0.0
+        #: Passes made (tests wait for one).
+        self.passes = 0
         self.reset()
 
     def reset(self) -> None:
@@ -155,6 +158,7 @@ class FailureWatch:
             self._judge(names)
         if self._waiting:
             self._backend_pass()
+        self.passes += 1
 
     def _judge(self, names: List[str]) -> None:
         node = self.node

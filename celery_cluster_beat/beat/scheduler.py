@@ -102,6 +102,7 @@ class Scheduler(beat.Scheduler):
         self._node = node = NodeState(app, self.settings, self.entries, self._clock, self._report, sender=self)
         self._upkeep = Upkeep(node)
         self._stored = StoredFollower(node)  # it holds the operators' controls (read with the same counter)
+        self._upkeep.failures = self._stored.controls.failures  # pause_after_failures, judged in housekeeping
         self._leadership = Leadership(node, self._stored, self._upkeep)
         self._due = DuePass(node, self._stored)
         self._prep = MessagePrep(node)
@@ -303,9 +304,6 @@ class Scheduler(beat.Scheduler):
             backoff.guarded(node.pipeline.run_retries, "retrying sends")
         if store_ok and node.guard.has_buffered():
             backoff.guarded(self._due.run_buffered, "sending buffered runs")
-        failures = self._stored.controls.failures
-        if store_ok and node.active and failures.due(time.monotonic()):
-            backoff.guarded(failures.check, "looking for failed runs (pause_after_failures)")
         if store_ok and self._upkeep.prune_due():
             self._upkeep.prune()
         self._prep.run()

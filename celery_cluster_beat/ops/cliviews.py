@@ -218,7 +218,7 @@ def _counters(s: "ScheduleInfo") -> str:
 def render_history(rows: Sequence["HistoryRow"]) -> str:
     return table(
         ["SCHEDULED (UTC)", "STATUS", "RUN", "KIND", "NODE", "SENT", "STARTED", "FINISHED", "RUNTIME", "ERROR"],
-        [(when(r.scheduled_at), r.status, r.run_state or "-", "manual" if r.manual else "scheduled", r.node,
+        [(when(r.scheduled_at), r.status, r.run_state or "-", r.kind, r.node,
           when(r.sent_at), when(r.started_at), when(r.finished_at),
           "-" if r.runtime is None else f"{r.runtime:.3f}s", (r.error or "-")[:80]) for r in rows])
 

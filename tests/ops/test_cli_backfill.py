@@ -60,6 +60,11 @@ def test_a_backfill_is_sent_and_run_once_per_occurrence_by_a_real_leader_and_wor
         assert sorted(line for line in ran if line) == sorted(
             f"{(start + timedelta(minutes=i)).isoformat()} True" for i in range(5))
 
+        history = cli_json(app, "history", "minutely")
+        assert len([r for r in history if r["backfill"] and r["reason"] == "backfill"]) == 5
+        table = cli(app, "history", "minutely").stdout
+        assert table.count(" backfill ") == 5, table
+
         again = cli(app, "backfill", "minutely", "--from", _iso(start), "--to", _iso(end))
         assert again.returncode == 0 and "0 sent; not sent: 5 already sent" in again.stdout, again.stdout
 

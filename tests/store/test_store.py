@@ -99,7 +99,7 @@ def test_a_database_stamped_by_a_newer_release_is_refused(make_store, raw, db_ur
     with raw.begin() as conn:
         conn.execute(sa.update(meta_table).where(meta_table.c.key == "schema_version").values(value="99"))
     store = ClaimStore(db_url, node_id="node-b")
-    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 5") as info:
+    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 6") as info:
         store.open()
     assert isinstance(info.value, ConfigError)  # start-up configuration problem
     assert "Upgrade celery-cluster-beat" in str(info.value)

@@ -91,8 +91,8 @@ class FailureWatch:
         """This node starts scheduling: look back :data:`LOOKBACK`; nothing of before is kept."""
         self._since: Optional[datetime] = None
         self._seen: Dict[Tuple[str, datetime], datetime] = {}
-        #: Result backend: name -> (instant, task id) of runs sent, their end not known yet.
-        self._waiting: Dict[str, Deque[Tuple[datetime, str]]] = {}
+        #: Result backend: name -> (task id, monotonic time sent) of runs sent, their end not known yet.
+        self._waiting: Dict[str, Deque[Tuple[str, float]]] = {}
         #: Result backend: name -> task ids of the failed runs in a row (and the last error).
         self._streaks: Dict[str, List[str]] = {}
 
@@ -110,21 +110,27 @@ class FailureWatch:
         if entry.pause_after_failures is None or self.node.guard is None or self.node.guard.uses_ledger(entry):
             return
         waiting = self._waiting.setdefault(entry.name, deque())
-        waiting.append((occ.at, occ.task_id))
+        waiting.append((occ.task_id, time.monotonic()))
         while len(waiting) > 4 * entry.pause_after_failures + 16:  # never known: forgotten, oldest first
             waiting.popleft()
 
     def _backend_pass(self) -> None:
         node = self.node
-        ids = [task_id for waiting in self._waiting.values() for _, task_id in waiting]
+        ids = [task_id for waiting in self._waiting.values() for task_id, _ in waiting]
         if not ids or node.guard is None:
             return
         states = node.guard.states(ids)
+        mono = time.monotonic()
         for name in list(self._waiting):
             waiting = self._waiting[name]
-            while waiting and states.get(waiting[0][1]) in celery_states.READY_STATES:
-                _, task_id = waiting.popleft()
-                state = states[task_id]
+            entry = node.entries.get(name)
+            # A run whose result never shows (expired, ignored) past max_run_time is let go, unknown:
+            # it neither extends nor breaks the streak, and no longer holds up the runs after it.
+            give_up = node.guard.max_run_time(entry) if entry is not None else 0.0
+            while waiting and (states.get(waiting[0][0]) in celery_states.READY_STATES
+                               or mono - waiting[0][1] > give_up):
+                task_id, _ = waiting.popleft()
+                state = states.get(task_id)
                 if state == celery_states.SUCCESS:
                     self._streaks.pop(name, None)
                 elif state == celery_states.FAILURE:
@@ -132,7 +138,6 @@ class FailureWatch:
             if not waiting:
                 del self._waiting[name]
             streak = self._streaks.get(name)
-            entry = node.entries.get(name)
             if streak and entry is not None and entry.pause_after_failures and len(streak) >= \
                     entry.pause_after_failures and name not in self._paused:
                 self._pause(name, len(streak), f"task {streak[-1]} ended FAILURE", streak[-len(streak):])

@@ -160,3 +160,50 @@ def test_a_config_entry_with_a_bad_setting_is_refused():
 
     with pytest.raises(ConfigError, match="pause_after_failures: expected a whole number from 1 to 10000"):
         build_entries({"e": {"task": "t", "schedule": every(5), "pause_after_failures": 0}})
+
+
+def test_without_the_ledger_failures_are_read_from_the_result_backend(made, db, broker):
+    """A plain task (no ledger) whose results the Redis result backend stores: the leader reads
+    the states of the runs it sent through the overlap guard's reader, in the order it sent them:
+    a success in between resets the streak, two failures in a row pause it."""
+    app = _app(made, db, broker)
+    app.conf.result_backend = broker
+    # Task ids derive from (name, instant): a name of its own keeps the results of the other
+    # database's run of this test (same Redis backend, same instants) apart from this one's.
+    name = "plain-" + uuid.uuid4().hex[:8]
+    app.conf.beat_schedule = {name: {"task": "t.plain", "schedule": every(1), "overlap": "allow",
+                                     "pause_after_failures": 2}}
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    script = ["FAILURE", "SUCCESS", "FAILURE", "FAILURE"]
+
+    done: dict = {}
+
+    def worker_results() -> None:
+        """Store a result for each sent run, in instant order, as the script says (then nothing)."""
+        for row in sorted((r for r in ops.claims(name) if r.status == "sent"), key=lambda r: r.scheduled_at):
+            if row.task_id in done or len(done) == len(script):
+                continue
+            state = script[len(done)]
+            result = ValueError("plain failed") if state == "FAILURE" else "ok"
+            app.backend.store_result(row.task_id, result, state)
+            done[row.task_id] = state
+
+    def step() -> Any:
+        worker_results()
+        return _paused(ops, name)()
+
+    script[3:] = []  # failed, succeeded, failed: the success reset the streak, no pause
+    assert _drive(sched, lambda: step() or len(done) == 3, 30)
+    assert _drive(sched, _passes(sched, 3), 15)
+    assert _paused(ops, name)() is None
+    script.append("FAILURE")  # the second failure in a row
+    paused = _drive(sched, step, 30)
+    assert paused is not None and list(done.values()) == ["FAILURE", "SUCCESS", "FAILURE", "FAILURE"]
+    assert paused.paused_note.startswith("paused after 2 consecutive failed runs (last: task ")
+    assert paused.paused_note.endswith("ended FAILURE)")
+    last_failed = [t for t, s in done.items() if s == "FAILURE"][-1]
+    assert last_failed in paused.paused_note

@@ -39,7 +39,7 @@ from ..config import Entry, Settings
 from ..schedules.instants import TINY
 from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StoreUnavailable
-from ..store.backfill import BACKFILL_REASON, BackfillClaim
+from ..store.backfill import BackfillClaim
 from .guard import OverlapGuard
 from .jitter import jitter_delay
 from .outcomes import Outcome, Reporter
@@ -468,6 +468,9 @@ class SendPipeline:
             if items:
                 logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped",
                                len(items))
+                backfilled = self.store.backfill_keys([p.occ for p in items])  # their resend says so too
+                if backfilled:
+                    items = [p._replace(backfill=(p.occ.schedule, p.occ.at) in backfilled) for p in items]
                 self.send(items, confirmed_at=confirmed_at)
             if len(rows) < SWEEP_CHUNK:
                 return

@@ -221,6 +221,23 @@ class BackfillQueries:
         return self._run(read, write=False)
 
     @database_errors
+    def backfill_keys(self, occurrences: Sequence[Occurrence]) -> set:
+        """The (schedule, instant) keys among *occurrences* whose rows a backfill claimed (reason
+        ``backfill``): the stale-claim sweep resends those with the backfill header too."""
+        c = claims_table
+        keys = sorted({claim_key(o) for o in occurrences})
+
+        def read(conn: "Connection") -> set:
+            out: set = set()
+            for part in chunks(keys, 200):
+                cond = sa.or_(*(sa.and_(c.c.schedule == s, c.c.scheduled_at == at) for s, at in part))
+                out.update((s, at) for s, at in conn.execute(
+                    sa.select(c.c.schedule, c.c.scheduled_at).where(cond, c.c.reason == BACKFILL_REASON)))
+            return out
+
+        return self._run(read, write=False) if keys else set()
+
+    @database_errors
     def claim_backfill(self, occurrences: Sequence[Occurrence], *, term: Optional[int] = None) -> BackfillClaim:
         """Claim the occurrences of one schedule a backfill may send (the module docstring's rule), in
         one fenced transaction: insert-if-absent, then one conditional UPDATE of the rows that ended

@@ -12,10 +12,12 @@ from datetime import timedelta
 from typing import Any, Callable, List
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from celery import Celery
 
 from celery_cluster_beat import every
 from celery_cluster_beat.beat.scheduler import Scheduler
+from celery_cluster_beat.ops.metrics import ClusterBeatMetrics
 from celery_cluster_beat.schedules.instants import utc_iso
 from celery_cluster_beat.schedules.occurrence import Occurrence
 from celery_cluster_beat.store import ClaimStore
@@ -126,3 +128,54 @@ def test_a_request_made_while_no_leader_runs_is_served_by_the_next_one(made, db,
     made.append(sched)
     done = _run_until(sched, _finished(ops, request))
     assert (done.state, done.sent) == ("done", 3)
+
+
+def test_a_backfill_left_claimed_by_a_node_that_died_is_resent_with_its_header(made, db, broker):
+    """The claimant of a backfill dies before publishing: the leader's stale-claim sweep resends its
+    rows (known gone by the database's clock: it never heartbeat), still marked as backfill."""
+    app = _app(made, db, broker)
+    app.conf.cluster_beat_claim_grace = 1.5
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    now = ops.db_now()
+    start = now.replace(second=0, microsecond=0) - timedelta(minutes=20)
+    dead = ClaimStore(db, node_id="dead-leader")
+    dead.open()
+    made.append(dead)
+    won = dead.claim_backfill([Occurrence("minutely", start + timedelta(minutes=i)) for i in range(3)]).won
+    assert len(won) == 3
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    metrics = ClusterBeatMetrics(sender=sched).connect()
+    made.append(metrics)
+
+    def resent() -> bool:
+        return all(r.status == "sent" for r in ops.claims("minutely") if r.scheduled_at <= start + timedelta(minutes=2))
+
+    _run_until(sched, resent)
+    sent = [h for h in _headers(app) if h.get("cluster_beat_backfill") is True]
+    assert sorted(h["cluster_beat_scheduled_at"] for h in sent) == [utc_iso(o.at) for o in won]
+    assert b'cluster_beat_occurrences_total{outcome="resent",schedule="minutely"} 3.0' in metrics.exposition()
+
+
+def test_backfilled_sends_are_counted_as_such(made, db, broker):
+    app = _app(made, db, broker)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    metrics = ClusterBeatMetrics(sender=sched).connect()
+    made.append(metrics)
+    sched.tick()
+    start = ops.db_now().replace(second=0, microsecond=0) - timedelta(minutes=7)
+    _, request = ops.request_backfill("minutely", start, start + timedelta(minutes=1))
+    assert _run_until(sched, _finished(ops, request)).sent == 2
+    text = metrics.exposition()
+    assert b'cluster_beat_occurrences_total{outcome="backfilled",schedule="minutely"} 2.0' in text
+    samples = {(s.name, s.labels.get("outcome")): s.value for f in text_string_to_metric_families(text.decode())
+               for s in f.samples if s.labels.get("schedule") == "minutely"}
+    # Lateness counts the on-time sends only (the minute may have fired meanwhile), not backfills.
+    assert samples.get(("cluster_beat_send_lateness_seconds_count", None), 0) == samples.get(
+        ("cluster_beat_occurrences_total", "sent"), 0)

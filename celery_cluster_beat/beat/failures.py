@@ -43,6 +43,7 @@ from ..config import Entry
 from ..config.values import printable
 from ..schedules.occurrence import Occurrence
 from ..store.controls import MAX_NOTE_LENGTH
+from ..store.schema import RunState
 from .state import NodeState
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -179,7 +180,7 @@ class FailureWatch:
             for name, entry in watched.items():
                 count = int(entry.pause_after_failures or 0)
                 runs = node.store.last_ended_runs(name, count, after=resumed.get(name))
-                if len(runs) == count and all(r.run_state == "failed" for r in runs):
+                if len(runs) == count and all(r.run_state == RunState.FAILED for r in runs):
                     self._pause(name, count, runs[0].run_error, [r.task_id for r in runs])
         finally:
             if absent:

@@ -239,12 +239,14 @@ def backfill_plan(plan: "Plan") -> str:
 
 def backfill_result(found: "BackfillRequest", planned: int) -> str:
     """``backfill``: what the leader did with the request (or that it still waits for one)."""
+    from ..store.schema import BackfillState
+
     span = f"{for_terminal(found.schedule)} from {when(found.from_at)} to {when(found.to_at)} UTC"
-    if found.state == "pending":
+    if found.state == BackfillState.PENDING:
         return (f"backfill of {span} requested (request {found.id}, {planned} occurrence(s) in the range); "
                 "no leader has served it yet: it stays pending and the leader sends it when it reads it "
                 "(is a beat running?)")
-    if found.state == "refused":
+    if found.state == BackfillState.REFUSED:
         return f"backfill of {span} refused by the leader (request {found.id}): {for_terminal(found.error)}"
     left = found.not_sent or {}
     return (f"backfill of {span} done by {for_terminal(found.node)} (request {found.id}): {found.sent} sent"

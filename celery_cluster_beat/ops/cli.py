@@ -3,7 +3,7 @@
 Registered through Celery's ``celery.commands`` entry point, so it sits beside
 ``beat`` and ``worker``. Reads come from the claim store (and the lease's Redis
 for ``status``): no beat has to run. Actions (``pause``, ``resume``,
-``run-now``) are rows in the claim store plus a change notice on Redis; the
+``run-now``, ``backfill``) are rows in the claim store plus a change notice on Redis; the
 leader applies them within a second, and they survive restarts and failovers.
 
 Bad input (an unknown schedule, a bad duration, an unreachable database) is one
@@ -131,7 +131,7 @@ json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, 
 @click.pass_context
 @handle_preload_options
 def cluster_beat(ctx: click.Context, **kwargs: Any) -> None:
-    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, prune, check.
+    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, backfill, prune, check.
 
     Reads need no running beat; actions are applied by the leader within a second."""
 

@@ -179,3 +179,22 @@ def test_backfilled_sends_are_counted_as_such(made, db, broker):
     # Lateness counts the on-time sends only (the minute may have fired meanwhile), not backfills.
     assert samples.get(("cluster_beat_send_lateness_seconds_count", None), 0) == samples.get(
         ("cluster_beat_occurrences_total", "sent"), 0)
+
+
+def test_the_schedule_page_marks_backfilled_runs(made, db, broker):
+    from celery_cluster_beat.ops.pagehtml import render_schedule
+    from celery_cluster_beat.ops.schedulepage import schedule_detail
+
+    app = _app(made, db, broker)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    sched.tick()
+    start = ops.db_now().replace(second=0, microsecond=0) - timedelta(minutes=9)
+    _, request = ops.request_backfill("minutely", start, start + timedelta(minutes=1))
+    _run_until(sched, _finished(ops, request))
+    detail = schedule_detail(app, ops, "minutely")
+    html = render_schedule(title="t", node="n", detail=detail)
+    assert html.count(">backfill<") == 2, html

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from datetime import datetime, timedelta
-from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from celery import states as celery_states
 
@@ -181,18 +181,23 @@ class FailureWatch:
                 count = int(entry.pause_after_failures or 0)
                 runs = node.store.last_ended_runs(name, count, after=resumed.get(name))
                 if len(runs) == count and all(r.run_state == RunState.FAILED for r in runs):
-                    self._pause(name, count, runs[0].run_error, [r.task_id for r in runs])
+                    self._pause(name, count, runs[0].run_error, [r.task_id for r in runs],
+                                resumed_at=resumed.get(name))
         finally:
             if absent:
                 self._forget(absent)
 
-    def _pause(self, name: str, count: int, last_error: Optional[str], task_ids: List[str]) -> None:
+    def _pause(self, name: str, count: int, last_error: Optional[str], task_ids: List[str],
+               resumed_at: Any = ...) -> None:
         node = self.node
         note = pause_note(count, last_error)
-        _, changed = node.store.set_paused(name, True, by=PAUSED_BY, note=note, replace_note=False)
+        # With *resumed_at*: only if not resumed since the runs were read (one transaction, serialised
+        # with every control change by the change counter's row lock).
+        _, changed = node.store.set_paused(name, True, by=PAUSED_BY, note=note, replace_note=False,
+                                           resumed_at=resumed_at)
         self._streaks.pop(name, None)
         self._waiting.pop(name, None)
-        if not changed:  # an operator paused it meanwhile: theirs stands
+        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile
             return
         logger.warning("cluster-beat: %s %s", printable(name), note)
         self._paused_now(name)

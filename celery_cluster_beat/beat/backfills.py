@@ -19,7 +19,7 @@ from typing import Callable, Dict, List
 from ..config import Entry
 from ..config.values import printable
 from ..schedules.occurrence import Occurrence
-from ..store import StoreUnavailable
+from ..store import StaleTermError, StoreUnavailable
 from ..store.backfill import BackfillRequest, fires_between
 from ..store.schema import BackfillState
 from .state import NodeState
@@ -54,7 +54,15 @@ class Backfills:
             for request in requests:
                 if not node.active:
                     return
-                self._serve(request)
+                try:
+                    self._serve(request)
+                except (StoreUnavailable, StaleTermError):
+                    raise
+                except Exception as exc:  # a request that cannot be served must not come back every pass
+                    logger.exception("cluster-beat: backfill %s of %s failed", request.id,
+                                     printable(request.schedule))
+                    node.store.finish_backfill(request.id, BackfillState.REFUSED,
+                                               error=f"{type(exc).__name__}: {exc}")
         except StoreUnavailable:
             self.wanted = True
             raise

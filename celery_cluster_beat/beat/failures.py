@@ -42,6 +42,7 @@ from ..base import clip
 from ..config import Entry
 from ..config.values import printable
 from ..schedules.occurrence import Occurrence
+from ..store import StoreUnavailable
 from ..store.controls import MAX_NOTE_LENGTH
 from ..store.schema import RunState
 from .state import NodeState
@@ -155,13 +156,21 @@ class FailureWatch:
         floor = since - REREAD
         self._seen = {k: v for k, v in self._seen.items() if v > floor}
         names: List[str] = []
+        new: List[Tuple[str, datetime]] = []
         for name, at, finished in rows:
             if (name, at) not in self._seen:
                 self._seen[(name, at)] = finished
+                new.append((name, at))
                 if name not in names and name not in self._paused:
                     names.append(name)
         if names:
-            self._judge(names)
+            try:
+                self._judge(names)
+            except StoreUnavailable:  # judged again on the next pass
+                self._since = since
+                for key in new:
+                    self._seen.pop(key, None)
+                raise
         if self._waiting:
             self._backend_pass()
         self.passes += 1

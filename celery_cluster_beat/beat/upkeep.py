@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-
 from typing import TYPE_CHECKING, Optional
 
 from ..store import StoreUnavailable

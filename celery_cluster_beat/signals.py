@@ -1,7 +1,7 @@
 """Celery-style signals for what the scheduler decides, and for what the worker-side ledger does.
 
 Receivers run synchronously, in the beat process (``lease_changed``,
-``occurrence_handled``, ``watchdog_fired``) or in the worker process that runs
+``occurrence_handled``, ``watchdog_fired``, ``paused_after_failures``) or in the worker process that runs
 the task (``run_handled``): keep them quick. They are how the ops tooling
 (events, metrics) and users' own monitoring hook in.
 """
@@ -23,6 +23,12 @@ occurrence_handled = Signal(
 #: The overlap guard let a fire through because the previous run exceeded
 #: ``max_run_time``: ``schedule``, ``task_id`` (the old run), ``age`` (seconds).
 watchdog_fired = Signal(name="cluster_beat_watchdog", providing_args={"schedule", "task_id", "age"})
+
+#: The leader paused a schedule after ``pause_after_failures`` consecutive failed runs (in the beat
+#: process): ``schedule``, ``failures`` (N), ``last_error`` (class and first line of the last
+#: failure, or None), ``note`` (the pause note operators read), ``task_ids`` (the failed runs).
+paused_after_failures = Signal(name="cluster_beat_paused_after_failures",
+                               providing_args={"schedule", "failures", "last_error", "note", "task_ids"})
 
 
 class RunOutcome(StrEnum):

@@ -4,7 +4,8 @@ Owns the :class:`~.scheduler.Scheduler` Celery calls, a thin wiring of rooms tha
 share one :class:`~.state.NodeState` (queue of next fires, entries, store back-off):
 bringing the node up (:mod:`.bringup`), leadership (:mod:`.leadership`), the due
 pass with claim-ahead and catch-up (:mod:`.duepass`), stored schedules and the
-horizon (:mod:`.stored`), operators' controls (:mod:`.controls`), housekeeping and
+horizon (:mod:`.stored`), operators' controls (:mod:`.controls`; backfill requests:
+:mod:`.backfills`; ``pause_after_failures``: :mod:`.failures`), housekeeping and
 pruning (:mod:`.upkeep`), building messages ahead (:mod:`.prepare`); the send
 pipeline (:mod:`.pipeline`: claim, publish, mark sent, retries, stale-claim
 resends), publishing with Celery's own messages (:mod:`.publisher`, built once per

@@ -123,6 +123,7 @@ class Bringup:
         )
         node.pipeline.resolve = self.stored.resolve
         node.pipeline.paused = self.stored.controls.paused
+        node.pipeline.on_sent = self.stored.controls.failures.sent
         if s.redis is not None:
             from ..leader.lease import RedisLease
 

@@ -21,6 +21,8 @@ from ..config import Entry
 from ..dynamic import entry_from_row
 from ..errors import ConfigError
 from ..schedules.occurrence import Occurrence
+from .backfills import Backfills
+from .failures import FailureWatch
 from .state import NodeState
 
 logger = logging.getLogger("celery_cluster_beat")
@@ -50,13 +52,21 @@ class Controls:
         self.version = 0
         #: Run-now requests not handled yet: name -> (request id, the instant to run for).
         self.run_requests: Dict[str, Tuple[str, datetime]] = {}
+        #: Backfill requests (:mod:`.backfills`): read when the change counter moves.
+        self.backfills = Backfills(node, resolve=resolve, forget=forget)
+        #: ``pause_after_failures`` (:mod:`.failures`): pauses through :meth:`apply` like an operator's.
+        self.failures = FailureWatch(node, paused=self.paused, resolve=resolve, forget=forget,
+                                     paused_now=lambda name: self.apply(node.store.controls([name])))
 
-    def reset(self, rows, version: int) -> None:
-        """This node starts scheduling: the controls in force (*rows*, read at counter *version*)."""
+    def reset(self, rows, version: int, *, backfills: bool = False) -> None:
+        """This node starts scheduling: the controls in force (*rows*, read at counter *version*);
+        *backfills*: backfill requests are pending (made while no node scheduled: served now)."""
         self.paused.clear()
         self.paused.update(c.name for c in rows if c.paused)
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
+        self.backfills.wanted = backfills
+        self.failures.reset()
         self.version = version
 
     def apply(self, rows) -> None:
@@ -70,6 +80,7 @@ class Controls:
             elif not row.paused and row.name in self.paused:
                 self._resume(row.name, now)  # raises on a store error: the control is read again
                 self.paused.discard(row.name)
+                self.failures.resumed(row.name)
             if row.run_request and row.run_requested_at is not None:
                 self.run_requests[row.name] = (row.run_request, row.run_requested_at)
 

@@ -77,6 +77,7 @@ class Leadership:
             # The counter first: a change committed while the rows are read is applied again, harmlessly.
             version = store.stored_version()
             controls = store.controls(active_only=True)
+            backfills = bool(store.pending_backfills(limit=1))
             horizon = self.stored.window_end(now)
             stored = store.stored_due(horizon)
             # The previous leader did not write next_at back for schedules it held in memory: resume
@@ -93,7 +94,7 @@ class Leadership:
                 lease.release()  # a node that cannot use the store must not keep others from it
             return
         node.backoff.ok()
-        self.stored.controls.reset(controls, version)
+        self.stored.controls.reset(controls, version, backfills=backfills)
         paused = self.stored.controls.paused
         # A schedule resumed after its last occurrence restarts from the resume: the paused time
         # is never caught up, whichever leader starts it.

@@ -22,6 +22,7 @@ class Outcome(StrEnum):
 
     SENT = "sent"
     RESENT = "resent"  # sent again with the same task id after its claimant stopped
+    BACKFILLED = "backfilled"  # a past occurrence sent by an operator's backfill (reason ``backfill``)
     SKIPPED_OVERLAP = "skipped-overlap"
     BUFFERED = "buffered"
     REPLACED = "replaced"
@@ -39,11 +40,12 @@ class Reporter:
     def __call__(self, outcome: Outcome, occ: Occurrence, reason: Optional[str] = None,
                  entry: Optional[Entry] = None, *, log: bool = True) -> None:
         if log:  # names as operators read them: a stored name's bidi or control characters escaped
-            if entry is not None and outcome in (Outcome.SENT, Outcome.RESENT):
+            if entry is not None and outcome in (Outcome.SENT, Outcome.RESENT, Outcome.BACKFILLED):
                 # Celery's own beat line, so existing log searches keep working.
                 logger.info("Scheduler: Sending due task %s (%s) for %s%s", printable(entry.name),
                             printable(entry.task), occ.at.isoformat(),
-                            " (resent)" if outcome is Outcome.RESENT else "")
+                            " (resent)" if outcome is Outcome.RESENT else
+                            " (backfill)" if outcome is Outcome.BACKFILLED else "")
             elif outcome is Outcome.CLAIM_LOST:
                 logger.debug("cluster-beat: %s at %s was claimed by another node", printable(occ.schedule),
                              occ.at.isoformat())

@@ -41,6 +41,7 @@ from ..config import Entry, Settings
 from ..schedules.instants import TINY
 from ..schedules.occurrence import Occurrence
 from ..store import ClaimStatus, ClaimStore, StoreUnavailable
+from ..store.backfill import BackfillClaim
 from .guard import OverlapGuard
 from .jitter import jitter_delay
 from .outcomes import Outcome, Reporter
@@ -72,6 +73,8 @@ class Pending(NamedTuple):
     resent: bool = False
     #: Sent as a catch-up after downtime (told to the worker in a header).
     catchup: bool = False
+    #: Sent by an operator's backfill (header ``cluster_beat_backfill``, outcome ``backfilled``).
+    backfill: bool = False
 
 
 class SendPipeline:
@@ -112,6 +115,8 @@ class SendPipeline:
         self.resolve: Callable[[List[str]], Dict[str, Entry]] = lambda names: {}
         #: Names an operator paused (the scheduler's set): a stale claim of one is not resent.
         self.paused: Set[str] = set()
+        #: Told of every run that went out (``pause_after_failures`` without the ledger watches them).
+        self.on_sent: Callable[[Entry, Occurrence], None] = lambda entry, occ: None
 
     # -- the scheduler's view ------------------------------------------------------
     def next_retry_in(self) -> Optional[float]:
@@ -212,6 +217,18 @@ class SendPipeline:
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
         return [Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at
 
+    def backfill(self, entry: Entry, occurrences: Sequence[Occurrence]) -> Optional[BackfillClaim]:
+        """Claim what a backfill may send of *occurrences* (one schedule's; see
+        :mod:`..store.backfill`) and send what this node won, marked as backfill; None when this
+        node may not send. *entry* should carry no jitter: a backfill is sent at once."""
+        if not occurrences or not self._still_leader():
+            return None
+        confirmed_at = time.monotonic()  # before the call: see claim()
+        result = self.store.claim_backfill(occurrences, term=self._term())
+        if result.won:
+            self.send([Pending(entry, occ, backfill=True) for occ in result.won], confirmed_at)
+        return result
+
     # -- the one publishing path ----------------------------------------------------
     def send(self, items: Sequence[Pending], confirmed_at: Optional[float] = None) -> None:
         """Publish claimed occurrences chunk by chunk, each confirmed as ours just before.
@@ -260,9 +277,10 @@ class SendPipeline:
                 p.entry.last_run_at = p.occ.at
                 p.entry.total_run_count += 1
                 self.guard.sent(p.entry, p.occ)  # the overlap guard must see every send, retries too
+                self.on_sent(p.entry, p.occ)
                 reason = f"after {p.attempt - 1} failed attempt(s)" if p.attempt > 1 else None
-                self.report(Outcome.RESENT if p.resent else Outcome.SENT, p.occ, reason, p.entry,
-                            log=log_each or p.attempt > 1)
+                outcome = Outcome.RESENT if p.resent else Outcome.BACKFILLED if p.backfill else Outcome.SENT
+                self.report(outcome, p.occ, reason, p.entry, log=log_each or p.attempt > 1)
             for p, err in zip(part, errors):
                 if err is not None and not isinstance(err, Withheld):  # withheld: no longer ours
                     failed += 1
@@ -350,6 +368,7 @@ class SendPipeline:
                 eta = occ.at + timedelta(seconds=delay)
         return Dispatch(occ, entry.task, entry.args, entry.kwargs, entry.options,
                         catchup=bool(pending and pending.catchup), attempt=pending.attempt if pending else 1,
+                        backfill=bool(pending and pending.backfill),
                         max_run_time=self.guard.max_run_time(entry), eta=eta)
 
     def prepare(self, entry: Entry, at: datetime) -> None:
@@ -467,6 +486,9 @@ class SendPipeline:
             if items:
                 logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped",
                                len(items))
+                backfilled = self.store.backfill_keys([p.occ for p in items])  # their resend says so too
+                if backfilled:
+                    items = [p._replace(backfill=(p.occ.schedule, p.occ.at) in backfilled) for p in items]
                 self.send(items, confirmed_at=confirmed_at)
             if len(rows) < SWEEP_CHUNK:
                 return

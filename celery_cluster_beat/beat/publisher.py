@@ -101,6 +101,8 @@ class Dispatch:
     options: Dict[str, Any] = field(default_factory=dict)
     #: Sent as a catch-up after downtime (header ``cluster_beat_catchup``).
     catchup: bool = False
+    #: Sent by an operator's backfill (header ``cluster_beat_backfill``).
+    backfill: bool = False
     #: Which publish attempt this is (header ``cluster_beat_attempt``).
     attempt: int = 1
     #: The entry's effective max_run_time, for the worker's ledger (header ``cluster_beat_max_run_time``).
@@ -138,7 +140,7 @@ class Publisher:
         """The headers the message carries (the entry's own, then ours) and ours alone."""
         headers = dict(d.options.get("headers") or {})
         dynamic = beat_headers(d.occurrence.schedule, d.occurrence.at, self.node_id, catchup=d.catchup,
-                               attempt=d.attempt, max_run_time=d.max_run_time)
+                               attempt=d.attempt, max_run_time=d.max_run_time, backfill=d.backfill)
         headers.update(dynamic)
         return headers, dynamic
 

@@ -102,6 +102,7 @@ class Scheduler(beat.Scheduler):
         self._node = node = NodeState(app, self.settings, self.entries, self._clock, self._report, sender=self)
         self._upkeep = Upkeep(node)
         self._stored = StoredFollower(node)  # it holds the operators' controls (read with the same counter)
+        self._upkeep.failures = self._stored.controls.failures  # pause_after_failures, judged in housekeeping
         self._leadership = Leadership(node, self._stored, self._upkeep)
         self._due = DuePass(node, self._stored)
         self._prep = MessagePrep(node)

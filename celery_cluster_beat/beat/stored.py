@@ -243,6 +243,8 @@ class StoredFollower:
                     break
             if self.after is None:
                 self.version = max(self.version, version)
+            if version > controls.version:  # a backfill request bumps the counter too
+                controls.backfills.wanted = True
             while version > controls.version:
                 changed = store.control_changes(controls.version, limit=CHANGE_BATCH)
                 if changed:
@@ -255,6 +257,8 @@ class StoredFollower:
             self._load_states()
         if controls.run_requests:
             controls.run_requested()
+        if controls.backfills.wanted:
+            controls.backfills.run()
         now = node.clock.now()
         if (self.horizon - now).total_seconds() <= HORIZON / 2:
             horizon = self.window_end(now)

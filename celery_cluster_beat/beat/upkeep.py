@@ -1,9 +1,10 @@
-"""Upkeep on a clock of its own: the heartbeat, the stale-claim sweep and pruning.
+"""Upkeep on a clock of its own: the heartbeat, the stale-claim sweep, failed runs and pruning.
 
 None of this follows the schedules' instants, and all of it is I/O, so it runs on
 timers apart from the due pass: the housekeeping every ``claim_grace / 3`` (heartbeat
 with a clock sample, settling what the pipeline owes the store, and on the scheduling
-node the sweep that resends what a stopped node left claimed), and pruning every
+node the sweep that resends what a stopped node left claimed, and the look for failed runs of
+``pause_after_failures``, :mod:`.failures`), and pruning every
 ``prune_interval``, bounded per pass so that a backlog never holds up a tick for long.
 Kept apart so that a tick with nothing due costs a timer check here and no I/O.
 """
@@ -12,9 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING, Optional
 
 from ..store import StoreUnavailable
 from .state import NodeState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .failures import FailureWatch
 
 logger = logging.getLogger("celery_cluster_beat")
 
@@ -31,6 +36,8 @@ class Upkeep:
         self.next_housekeeping = 0.0
         #: Monotonic time of the next pruning pass (set when this node starts scheduling).
         self.next_prune = 0.0
+        #: ``pause_after_failures`` (the controls' :class:`~.failures.FailureWatch`), or None.
+        self.failures: Optional["FailureWatch"] = None
 
     def interval(self) -> float:
         return self.node.settings.claim_grace / 3
@@ -39,7 +46,8 @@ class Upkeep:
         return mono >= self.next_housekeeping and mono >= self.node.backoff.until
 
     def housekeep(self) -> None:
-        """Every ``claim_grace / 3``: heartbeat (and clock sample), settle, sweep stale claims."""
+        """Every ``claim_grace / 3``: heartbeat (and clock sample), settle, sweep stale claims, look
+        for failed runs (never more often than :data:`~.failures.CHECK_EVERY`)."""
         node = self.node
         self.next_housekeeping = time.monotonic() + self.interval()
         try:
@@ -48,6 +56,8 @@ class Upkeep:
             node.pipeline.settle()
             if node.active:
                 node.pipeline.sweep_stale()
+                if self.failures is not None and self.failures.due(time.monotonic()):
+                    self.failures.check()
         except StoreUnavailable as exc:
             logger.error("cluster-beat: claim store unavailable (%s); backing off", exc)
             node.backoff.trouble()

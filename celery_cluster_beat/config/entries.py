@@ -14,10 +14,13 @@ from ..errors import ConfigError, ScheduleError
 from ..schedules import ClusterSchedule, as_schedule
 from .options import option_problems
 from .values import (MAX_SECONDS, MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, description_problem,
-                     seconds_problem, shown, text_problem)
+                     count_problem, seconds_problem, shown, text_problem)
 
 CELERY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
-OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description")
+OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "enabled", "description",
+            "pause_after_failures")
+#: Most consecutive failed runs ``pause_after_failures`` may wait for.
+MAX_PAUSE_AFTER_FAILURES = 10000
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Entry:
     catchup_window: Optional[float] = None
     enabled: bool = True
     description: str = ""
+    #: Pause the schedule after this many consecutive failed runs (None: never; see beat.failures).
+    pause_after_failures: Optional[int] = None
     #: Why this (stored) entry must not be sent, though its instants are known: a field out of range
     #: in its row (written by hand or by another release). Each occurrence ends ``failed`` with it.
     refused: Optional[str] = None
@@ -139,6 +144,10 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
             reason = None if value is None else seconds_problem(value, zero_ok=zero_ok)
             if reason:
                 bad(key, reason)
+        value = spec.get("pause_after_failures")
+        reason = None if value is None else count_problem(value, limit=MAX_PAUSE_AFTER_FAILURES)
+        if reason:
+            bad("pause_after_failures", reason)
         enabled = spec.get("enabled", True)
         if not isinstance(enabled, bool):
             bad("enabled", f"expected True or False, got {shown(enabled)}")
@@ -171,6 +180,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
             catchup_window=spec.get("catchup_window"),
             enabled=enabled,
             description=description,
+            pause_after_failures=spec.get("pause_after_failures"),
         ),
         [],
     )

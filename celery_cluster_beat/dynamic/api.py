@@ -126,6 +126,8 @@ class StoredSchedule:
     #: The next occurrence as last recorded; the leader keeps the exact value of schedules
     #: due soon in memory, so for those this may lag.
     next_at: Optional[datetime]
+    #: Pause after this many consecutive failed runs (None: never).
+    pause_after_failures: Optional[int] = None
 
     @classmethod
     def from_row(cls, row: StoredRow) -> "StoredSchedule":
@@ -137,7 +139,7 @@ class StoredSchedule:
             max_run_time=row.max_run_time, jitter=row.jitter, catchup=row.catchup,
             catchup_window=row.catchup_window, description=row.description or "", owner=row.owner,
             enabled=row.enabled, version=row.version, created_at=row.created_at, changed_at=row.changed_at,
-            next_at=row.next_at,
+            next_at=row.next_at, pause_after_failures=row.pause_after_failures,
         )
 
 
@@ -293,11 +295,13 @@ class StoredSchedules:
             kwargs: Optional[Mapping[str, Any]] = None, options: Optional[Mapping[str, Any]] = None,
             overlap: Optional[str] = None, max_run_time: Optional[float] = None, jitter: Optional[float] = None,
             catchup: Optional[str] = None, catchup_window: Optional[float] = None, description: str = "",
-            owner: Optional[str] = None, enabled: bool = True) -> StoredSchedule:
+            owner: Optional[str] = None, enabled: bool = True,
+            pause_after_failures: Optional[int] = None) -> StoredSchedule:
         """Store a new schedule; :class:`ConfigError` if the name is taken or a field is bad."""
         values = dict(task=task, schedule=schedule, args=args, kwargs=kwargs, options=options, overlap=overlap,
                       max_run_time=max_run_time, jitter=jitter, catchup=catchup, catchup_window=catchup_window,
-                      description=description, owner=owner, enabled=enabled)
+                      description=description, owner=owner, enabled=enabled,
+                      pause_after_failures=pause_after_failures)
         row = self._definition(name, values)
 
         def change(live: Dict[str, StoredRow], now: datetime) -> Tuple[List[Dict[str, Any]], List[str]]:

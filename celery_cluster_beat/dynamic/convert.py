@@ -13,9 +13,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
-from ..config.entries import Entry, build_entry
+from ..config.entries import MAX_PAUSE_AFTER_FAILURES, Entry, build_entry
 from ..config.options import conf_allowed_stored_options, stored_option_problems
-from ..config.values import MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, seconds_problem
+from ..config.values import (MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, count_problem,
+                             seconds_problem)
 from ..errors import ConfigError, ScheduleError
 from ..schedules.text import parse_schedule_text
 from ..store.stored import StoredRow
@@ -32,7 +33,8 @@ _ALLOWED: "weakref.WeakKeyDictionary[Any, Collection[str]]" = weakref.WeakKeyDic
 _JSON_EMPTY: Dict[str, Any] = {"args": [], "kwargs": {}, "options": {}}
 
 #: The per-entry keys a stored schedule keeps in columns of their own.
-POLICY_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "description")
+POLICY_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "description",
+               "pause_after_failures")
 
 
 def _policy_problem(key: str, value: Any) -> Optional[str]:
@@ -41,6 +43,8 @@ def _policy_problem(key: str, value: Any) -> Optional[str]:
         return choice_problem(value, OverlapPolicy if key == "overlap" else CatchupPolicy)
     if key in ("max_run_time", "jitter", "catchup_window"):
         return seconds_problem(value, zero_ok=key == "jitter")
+    if key == "pause_after_failures":
+        return count_problem(value, limit=MAX_PAUSE_AFTER_FAILURES)
     return None
 
 

@@ -3,7 +3,7 @@
 Registered through Celery's ``celery.commands`` entry point, so it sits beside
 ``beat`` and ``worker``. Reads come from the claim store (and the lease's Redis
 for ``status``): no beat has to run. Actions (``pause``, ``resume``,
-``run-now``) are rows in the claim store plus a change notice on Redis; the
+``run-now``, ``backfill``) are rows in the claim store plus a change notice on Redis; the
 leader applies them within a second, and they survive restarts and failovers.
 
 Bad input (an unknown schedule, a bad duration, an unreachable database) is one
@@ -65,9 +65,11 @@ class _ImportOnUse:
 
 
 if TYPE_CHECKING:
+    from . import backfill as backfills
     from . import cliviews as views
     from . import report
 else:
+    backfills = _ImportOnUse(f"{__package__}.backfill")  # the backfill command's plan, request and wait
     report = _ImportOnUse(f"{__package__}.report")
     views = _ImportOnUse(f"{__package__}.cliviews")  # the tables: loaded by a command that prints one
 
@@ -129,7 +131,7 @@ json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, 
 @click.pass_context
 @handle_preload_options
 def cluster_beat(ctx: click.Context, **kwargs: Any) -> None:
-    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, prune, check.
+    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, backfill, prune, check.
 
     Reads need no running beat; actions are applied by the leader within a second."""
 
@@ -292,6 +294,57 @@ def run_now(ctx: click.Context, name: str, as_json: bool) -> None:
     else:
         click.echo(f"run of {name!r} requested (request {request}, instant {at.isoformat()}); "
                    "the leader sends it within 1 s")
+
+
+#: ``backfill --limit``'s default and cap (store.backfill's DEFAULT_LIMIT and MAX_LIMIT, which this
+#: module may not import: it loads with every celery command).
+BACKFILL_LIMIT, BACKFILL_MAX = 1000, 10000
+
+
+@cluster_beat.command(cls=CeleryCommand)
+@click.argument("name")
+@click.option("--from", "start", cls=CeleryOption, required=True, help_group="Backfill Options",
+              help="First instant of the range (ISO 8601; no offset: UTC).")
+@click.option("--to", "end", cls=CeleryOption, required=True, help_group="Backfill Options",
+              help="Last instant of the range (inclusive; not after the claim database's clock).")
+@click.option("--limit", cls=CeleryOption, type=int, default=BACKFILL_LIMIT, show_default=True,
+              help_group="Backfill Options",
+              help=f"Most occurrences the range may hold (at most {BACKFILL_MAX}); a range with more is refused.")
+@click.option("--dry-run", "dry_run", cls=CeleryOption, is_flag=True, default=False, help_group="Backfill Options",
+              help="List what would be sent and what would not, and why; write nothing.")
+@click.option("--no-wait", "no_wait", cls=CeleryOption, is_flag=True, default=False, help_group="Backfill Options",
+              help="Record the request and return at once (the leader serves it).")
+@click.option("--timeout", cls=CeleryOption, type=float, default=60.0, show_default=True,
+              help_group="Backfill Options", help="Seconds to wait for the leader's result.")
+@json_option
+@click.pass_context
+@boundary
+def backfill(ctx: click.Context, name: str, start: str, end: str, limit: int, dry_run: bool, no_wait: bool,
+             timeout: float, as_json: bool) -> None:
+    """Send NAME's past occurrences from --from to --to that were never sent (no row, or missed,
+    skipped or failed without a run), once each, marked as backfill; sent ones are not sent again."""
+    app = _app(ctx)
+    first, last = backfills.parse_instant(start, "--from"), backfills.parse_instant(end, "--to")
+    if not 1 <= limit <= BACKFILL_MAX:
+        raise ValueError(f"--limit must be from 1 to {BACKFILL_MAX}, got {limit}")
+    settings = report.load_settings_of(app)
+    if dry_run:
+        store = report.open_store(app, settings)
+        try:
+            planned = backfills.plan(app, store, name, first, last, limit)
+        finally:
+            store.close()
+        if as_json:
+            _json_out(planned.as_dict())
+            return
+        click.echo(views.backfill_plan(planned))
+        return
+    recorded, planned = backfills.request(app, settings, name, first, last, limit, _operator())
+    found = recorded if no_wait else backfills.wait(app, settings, recorded.id, timeout)
+    if as_json:
+        _json_out(backfills.result_dict(found))
+        return
+    click.echo(views.backfill_result(found, len(planned.items)))
 
 
 @cluster_beat.command(cls=CeleryCommand)

@@ -27,6 +27,8 @@ from .records import NodeStatus
 from .words import duration, relative
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..store.backfill import BackfillRequest
+    from .backfill import Plan
     from .records import ClusterStatus, HistoryRow, PausedInfo, ScheduleInfo
 
 #: Width ``list`` fits by default (a terminal of 120 columns); ``--wide`` ignores it.
@@ -216,6 +218,36 @@ def _counters(s: "ScheduleInfo") -> str:
 def render_history(rows: Sequence["HistoryRow"]) -> str:
     return table(
         ["SCHEDULED (UTC)", "STATUS", "RUN", "KIND", "NODE", "SENT", "STARTED", "FINISHED", "RUNTIME", "ERROR"],
-        [(when(r.scheduled_at), r.status, r.run_state or "-", "manual" if r.manual else "scheduled", r.node,
+        [(when(r.scheduled_at), r.status, r.run_state or "-", r.kind, r.node,
           when(r.sent_at), when(r.started_at), when(r.finished_at),
           "-" if r.runtime is None else f"{r.runtime:.3f}s", (r.error or "-")[:80]) for r in rows])
+
+
+def backfill_plan(plan: "Plan") -> str:
+    """``backfill --dry-run``: every occurrence of the range, whether it would be sent and why not."""
+    rows = [(when(at), "would send" if why is None else "not sent", "-" if why is None else why.value)
+            for at, why in plan.items]
+    left = plan.not_sent()
+    head = (f"dry run: backfill of {for_terminal(plan.name)} ({plan.source}) from {when(plan.start)} to "
+            f"{when(plan.end)} UTC: {len(plan.items)} occurrence(s), {len(plan.to_send)} would be sent"
+            + (f", {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else "")
+            + "; nothing written")
+    if not rows:
+        return head
+    return head + "\n\n" + table(("INSTANT (UTC)", "ACTION", "REASON"), rows)
+
+
+def backfill_result(found: "BackfillRequest", planned: int) -> str:
+    """``backfill``: what the leader did with the request (or that it still waits for one)."""
+    from ..store.schema import BackfillState
+
+    span = f"{for_terminal(found.schedule)} from {when(found.from_at)} to {when(found.to_at)} UTC"
+    if found.state == BackfillState.PENDING:
+        return (f"backfill of {span} requested (request {found.id}, {planned} occurrence(s) in the range); "
+                "no leader has served it yet: it stays pending and the leader sends it when it reads it "
+                "(is a beat running?)")
+    if found.state == BackfillState.REFUSED:
+        return f"backfill of {span} refused by the leader (request {found.id}): {for_terminal(found.error)}"
+    left = found.not_sent or {}
+    return (f"backfill of {span} done by {for_terminal(found.node)} (request {found.id}): {found.sent} sent"
+            + (f"; not sent: {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else ""))

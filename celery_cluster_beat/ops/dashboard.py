@@ -18,6 +18,7 @@ from urllib.parse import quote, urlencode
 
 from ..store.pagequeries import FAILURES_COUNTED, PageOrder, StateFilter
 from .words import duration, relative
+from .records import BACKFILL
 
 __all__ = ["exact", "when", "tone_of", "outcome_of", "clip", "schedule_href", "health_line", "schedule_rows",
            "nodes_panel", "filters", "occurrence_rows", "detail_view", "MAX_SHOWN", "DESCRIPTION_SHOWN", "FAILURE_WINDOW"]
@@ -263,7 +264,8 @@ def occurrence_rows(recent: Sequence[Any], now: datetime) -> List[Dict[str, Any]
                     "late_s": late, "runtime": duration(row.runtime) if row.runtime is not None else "-",
                     "runtime_s": row.runtime, "word": word, "tone": tone, "error": first_line(error, 300),
                     "node": clip(row.node, 255), "worker": clip(worker, 255), "task_id": row.task_id,
-                    "manual": (row.reason or "").startswith("manual"), "attempts": row.attempts})
+                    "manual": (row.reason or "").startswith("manual"), "backfill": row.reason == BACKFILL,
+                    "attempts": row.attempts})
     return out
 
 

@@ -10,7 +10,7 @@ What is measured, and where it comes from:
 
 ===========================================  ======================================================
 ``cluster_beat_occurrences_total``           ``occurrence_handled``: ``outcome`` (sent, resent,
-                                             skipped-overlap, buffered, replaced, missed,
+                                             backfilled, skipped-overlap, buffered, replaced, missed,
                                              claim-lost, failed) and ``schedule``; plus
                                              ``duplicate-skipped`` from ``run_handled`` in a worker
                                              process that installs metrics (see below)
@@ -30,6 +30,10 @@ What is measured, and where it comes from:
                                              unreachable, timed out, ...) once the store is open;
                                              waiting for the database at start-up is in beat's log
 ``cluster_beat_watchdog_fired_total``        ``watchdog_fired``, by ``schedule``
+``cluster_beat_paused_after_failures_total``  ``paused_after_failures``: schedules the leader paused
+                                             after ``pause_after_failures`` consecutive failed runs
+                                             (no ``schedule`` label: the signal and the pause note
+                                             name it, and a paused stored schedule's series go)
 ``cluster_beat_runs_total``                  worker side, ``run_handled`` by ``outcome`` and ``schedule``
 ``cluster_beat_node_info``                   constant 1 with ``node`` and ``cluster`` labels
 ``cluster_beat_schedule_series``             schedules whose ``schedule`` label is their name, by
@@ -179,6 +183,9 @@ class ClusterBeatMetrics:
         self.watchdog = Counter("cluster_beat_watchdog_fired",
                                 "Fires let through because the previous run exceeded max_run_time",
                                 by_schedule, registry=reg)
+        self.auto_paused = Counter("cluster_beat_paused_after_failures",
+                                   "Schedules paused after pause_after_failures consecutive failed runs",
+                                   registry=reg)
         self.runs = Counter("cluster_beat_runs", "Worker side: deliveries by what the ledger did",
                             ["outcome", *by_schedule], registry=reg)
         self.series = Gauge("cluster_beat_schedule_series",
@@ -193,6 +200,7 @@ class ClusterBeatMetrics:
         self.term.set(0)
         self._held_term = 0  # the latest term a holding event reported (the gauge never goes below it)
         self.store_errors.inc(0)  # exported from the start, so a rate() has a baseline
+        self.auto_paused.inc(0)
         self.refused.inc(0)
         self._count_series()
 
@@ -203,6 +211,7 @@ class ClusterBeatMetrics:
             signals.occurrence_handled.connect(self._on_occurrence, weak=False)
             signals.lease_changed.connect(self._on_lease, weak=False)
             signals.watchdog_fired.connect(self._on_watchdog, weak=False)
+            signals.paused_after_failures.connect(self._on_auto_paused, weak=False)
             signals.run_handled.connect(self._on_run, weak=False)
             self._connected = True
         return self
@@ -212,6 +221,7 @@ class ClusterBeatMetrics:
             signals.occurrence_handled.disconnect(self._on_occurrence)
             signals.lease_changed.disconnect(self._on_lease)
             signals.watchdog_fired.disconnect(self._on_watchdog)
+            signals.paused_after_failures.disconnect(self._on_auto_paused)
             signals.run_handled.disconnect(self._on_run)
             self._connected = False
 
@@ -371,6 +381,10 @@ class ClusterBeatMetrics:
         if self._ours(sender):
             with self._lock:
                 self._of(self.watchdog, self._label(schedule, SeriesKind.WATCHDOG)).inc()
+
+    def _on_auto_paused(self, sender: Any = None, **_: Any) -> None:
+        if self._ours(sender):
+            self.auto_paused.inc()
 
     def _on_run(self, sender: Any = None, outcome: Any = None, schedule: Any = None, **_: Any) -> None:
         # Worker side: the task instance sends it, never the scheduler, so this is not filtered

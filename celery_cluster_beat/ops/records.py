@@ -14,10 +14,12 @@ from ..base import StrEnum
 from ..store import ClaimRow
 
 __all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "NodeStatus", "PausedInfo", "UnsentOccurrence", "ScheduleInfo",
-           "Counters", "HistoryRow", "MANUAL"]
+           "Counters", "HistoryRow", "MANUAL", "BACKFILL"]
 
 #: The reason a claim row of an operator's run-now carries.
 MANUAL = "manual"
+#: The reason on a backfill's claim rows (store.backfill.BACKFILL_REASON).
+BACKFILL = "backfill"
 
 
 def _plain(value: Any) -> Any:
@@ -228,6 +230,12 @@ class HistoryRow(_AsDict):
     runtime: Optional[float]
     error: Optional[str]  #: the run's error, or why the occurrence was not sent
     duplicates: Optional[int]
+    backfill: bool = False  #: sent by an operator's backfill (``cluster-beat backfill``)
+
+    @property
+    def kind(self) -> str:
+        """``manual`` (run-now), ``backfill`` or ``scheduled``."""
+        return MANUAL if self.manual else BACKFILL if self.backfill else "scheduled"
 
     @classmethod
     def from_claim(cls, row: ClaimRow) -> "HistoryRow":
@@ -237,4 +245,4 @@ class HistoryRow(_AsDict):
                    manual=(row.reason or "").startswith(MANUAL), reason=row.reason, node=row.node, term=row.term,
                    task_id=row.task_id, claimed_at=row.claimed_at, sent_at=row.sent_at, attempts=row.attempts,
                    run_state=row.run_state, worker=worker, started_at=row.started_at, finished_at=row.finished_at,
-                   runtime=row.runtime, error=error, duplicates=row.duplicates)
+                   runtime=row.runtime, error=error, duplicates=row.duplicates, backfill=row.reason == BACKFILL)

@@ -4,7 +4,8 @@ Owns the tables (:mod:`.schema`) and their column types (:mod:`.types`), the
 public :class:`ClaimStore` API (:mod:`.claims`, assembled from one module per
 concern: :mod:`.engine`, :mod:`.prepare`, :mod:`.claiming`, :mod:`.takeover`,
 :mod:`.reads`, :mod:`.pruning`, :mod:`.ledger` with its checks of what a delivery's
-headers say (:mod:`.provenance`), :mod:`.stored`, :mod:`.controls`, :mod:`.opsqueries`,
+headers say (:mod:`.provenance`), :mod:`.stored`, :mod:`.controls`, :mod:`.backfill` (backfill requests and their
+claim rule), :mod:`.failures` (reads of failed runs), :mod:`.opsqueries`,
 :mod:`.pagequeries`), and the per-dialect SQL behind one seam
 (:mod:`.dialects`: SQLite, PostgreSQL, MySQL/MariaDB). Callers see
 occurrences, statuses and :class:`StoreUnavailable`, never SQLAlchemy.

@@ -51,6 +51,8 @@ from .errors import SchemaVersionError, StaleTermError, StoreUnavailable  # noqa
 from .ledger import LedgerQueries
 from .opsqueries import OpsQueries
 from .pagequeries import PageQueries
+from .backfill import BackfillQueries
+from .failures import FailureQueries
 from .prepare import SchemaPreparation
 from .pruning import PRUNE_STATEMENT_TIMEOUT, PruneQueries  # noqa: F401  (importable from here as before)
 from .reads import StateQueries
@@ -77,6 +79,8 @@ class ClaimStore(
     LedgerQueries,
     StoredScheduleQueries,
     ControlQueries,
+    BackfillQueries,
+    FailureQueries,
     OpsQueries,
     PageQueries,
     SchemaPreparation,

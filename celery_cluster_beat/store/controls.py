@@ -119,12 +119,16 @@ class ControlQueries:
 
     @database_errors
     def set_paused(self, name: str, paused: bool, *, by: Optional[str] = None,
-                   note: Optional[str] = None) -> Tuple[int, bool]:
+                   note: Optional[str] = None, replace_note: bool = True,
+                   resumed_at: Any = ...) -> Tuple[int, bool]:
         """Pause or resume schedule *name*; (the change counter's new value, whether it changed).
 
         *note*: why it is paused, shown to operators (clipped to :data:`MAX_NOTE_LENGTH`
         characters; ValueError for control or bidi characters). Pausing a schedule paused already
-        with a note replaces the note; resuming clears it."""
+        with a note replaces the note (unless *replace_note* is False: the leader's own pause after
+        failures leaves an operator's pause as it is); resuming clears it. *resumed_at* (given): change
+        nothing unless the schedule's last resume is still that one (the leader judged its runs
+        since then; a resume in between restarts the count)."""
         self._check(name)
         note = pause_note(note) if paused else None
         c = controls_table
@@ -132,6 +136,8 @@ class ControlQueries:
         def work(conn: "Connection") -> Tuple[int, bool]:
             version = bump_version(conn)
             current = self._control(conn, name, version)
+            if resumed_at is not ... and current is not None and current.resumed_at != resumed_at:
+                return version, False  # resumed since the caller looked: its judgement is stale
             changed = current is None or current.paused != paused
             values: dict = {"paused": paused, "version": version}
             if changed:
@@ -140,7 +146,7 @@ class ControlQueries:
                               paused_by=clip(by, MAX_NAME_LENGTH) if (paused and by) else None)
                 if not paused:
                     values["resumed_at"] = now
-            elif paused and note is not None:
+            elif paused and note is not None and replace_note:
                 # Paused already: the new reason replaces the old one, with its author (a note read
                 # as "paused by alice: <bob's reason>" would put words in alice's mouth); when stays.
                 values["paused_note"] = note

@@ -19,7 +19,7 @@ from .types import NameType, UTCDateTime, naive_utc  # noqa: F401  (naive_utc: i
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class ClaimStatus(StrEnum):
@@ -109,6 +109,9 @@ claims_table = sa.Table(
     ),
     sa.Index("ix_cluster_beat_claims_status_claimed_at", "status", "claimed_at"),
     sa.Index("ix_cluster_beat_claims_scheduled_at", "scheduled_at"),
+    # Version 6: the leader's pass over runs that failed lately (pause_after_failures) reads
+    # ``run_state = 'failed' AND finished_at > :since`` through this index, not the whole table.
+    sa.Index("ix_cluster_beat_claims_run_state_finished_at", "run_state", "finished_at"),
     **_MYSQL_TABLE,
 )
 
@@ -196,6 +199,8 @@ stored_schedules_table = sa.Table(
     # Its next occurrence (database clock), kept exact while the leader does not hold the
     # schedule in memory: the leader loads only what falls due within its horizon.
     sa.Column("next_at", UTCDateTime(), nullable=True),
+    # Version 6: pause the schedule after this many consecutive failed runs (None: never).
+    sa.Column("pause_after_failures", sa.Integer(), nullable=True),
     sa.Index("ix_cluster_beat_stored_schedules_version", "version"),
     sa.Index("ix_cluster_beat_stored_schedules_next_at", "next_at"),
     **_MYSQL_TABLE,
@@ -223,6 +228,39 @@ controls_table = sa.Table(
     sa.Column("run_requested_by", sa.String(MAX_NAME_LENGTH), nullable=True),
     sa.Column("version", sa.BigInteger(), nullable=False),
     sa.Index("ix_cluster_beat_controls_version", "version"),
+    **_MYSQL_TABLE,
+)
+
+class BackfillState(StrEnum):
+    """Where a backfill request (``cluster_beat_backfills``) stands."""
+
+    PENDING = "pending"  # recorded by the command; no leader has handled it yet
+    DONE = "done"  # the leader claimed its occurrences and sent what it won
+    REFUSED = "refused"  # the leader could not handle it (no such schedule, too many occurrences)
+
+
+backfills_table = sa.Table(
+    "cluster_beat_backfills",
+    metadata,
+    # ``celery ... cluster-beat backfill NAME --from T1 --to T2``: the command records the request,
+    # the leader claims and sends its occurrences (reason ``backfill``) and writes the result back.
+    # A new table of version 6: create_all makes it, no migration step.
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("schedule", NameType(MAX_NAME_LENGTH), nullable=False),
+    sa.Column("from_at", UTCDateTime(), nullable=False),
+    sa.Column("to_at", UTCDateTime(), nullable=False),
+    sa.Column("max_count", sa.Integer(), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("requested_at", UTCDateTime(), nullable=False),
+    sa.Column("requested_by", sa.String(MAX_NAME_LENGTH), nullable=True),
+    sa.Column("finished_at", UTCDateTime(), nullable=True),
+    sa.Column("node", NameType(MAX_NODE_ID_LENGTH), nullable=True),
+    # The result: occurrences claimed and sent by the backfill, those left as they were (JSON
+    # object: reason -> count), and why a refused request was refused.
+    sa.Column("sent", sa.Integer(), nullable=True),
+    sa.Column("not_sent", sa.Text(), nullable=True),
+    sa.Column("error", sa.Text(), nullable=True),
+    sa.Index("ix_cluster_beat_backfills_state", "state"),
     **_MYSQL_TABLE,
 )
 
@@ -360,6 +398,31 @@ def _attempts_from_tokens(conn: Any) -> None:
             conn.execute(sa.update(c).where(c.c.run_token == token).values(run_attempt=int(token[:4])))
 
 
+def _add_index(index: sa.Index) -> Any:
+    """A migration step creating *index* (of an existing table) unless it is there already."""
+
+    def step(conn: Any) -> None:
+        inspector = sa.inspect(conn)
+        if not inspector.has_table(index.table.name):
+            return
+        if index.name in {i["name"] for i in inspector.get_indexes(index.table.name)}:
+            return
+        index.create(conn)
+
+    return step
+
+
+def _index(table: sa.Table, name: str) -> sa.Index:
+    return next(i for i in table.indexes if i.name == name)
+
+
+#: Version 5 -> 6, for backfills and ``pause_after_failures`` (the backfill requests' table is new:
+#: create_all makes it). Kept apart from the other version-6 steps; both lists make MIGRATIONS[5].
+_BACKFILL_AND_FAILURE_COLUMNS = [
+    _add_column(stored_schedules_table, "pause_after_failures"),
+    _add_index(_index(claims_table, "ix_cluster_beat_claims_run_state_finished_at")),
+]
+
 #: version -> the steps that bring a store of that version to the next one. New tables
 #: are created by ``create_all``; only changes to existing tables are listed here.
 MIGRATIONS = {
@@ -369,4 +432,5 @@ MIGRATIONS = {
     3: [*(_add_column(claims_table, c) for c in ("run_process", "run_attempt", "check_token", "check_at")),
         lambda conn: _attempts_from_tokens(conn)],
     4: [_add_column(nodes_table, "stopped_at"), _add_column(controls_table, "paused_note")],
+    5: [*_BACKFILL_AND_FAILURE_COLUMNS],
 }

@@ -54,11 +54,17 @@ class StoredRow:
     created_at: datetime
     changed_at: datetime
     next_at: Optional[datetime]
+    #: Version 6: pause after this many consecutive failed runs (None: never). Last, with a default,
+    #: so rows built by position before it existed still read right.
+    pause_after_failures: Optional[int] = None
 
 
 _FIELDS = [f.name for f in fields(StoredRow)]
 #: Columns a change writes (the rest are the store's: version, times, tombstone).
 DEFINITION = [f for f in _FIELDS if f not in ("version", "created_at", "changed_at", "next_at", "deleted")]
+
+#: Definition columns a change may leave out (added in version 6): they are written None.
+OPTIONAL = frozenset({"pause_after_failures"})
 
 #: ``change(existing, now) -> (rows to write, names to remove)``: *existing* maps each asked
 #: name to its live row (tombstones left out); *now* is the database's time. Raising aborts
@@ -116,7 +122,8 @@ class StoredScheduleQueries:
             writes, removes = change(live, now)
             inserts, updates = [], []
             for w in writes:
-                values = {k: w[k] for k in DEFINITION}
+                # Columns added after the change callers were written may be left out: None (unset).
+                values = {k: w[k] if k in w or k not in OPTIONAL else None for k in DEFINITION}
                 values.update(version=version, changed_at=now, deleted=False, next_at=next_fire(w, now))
                 if w["name"] in found:
                     # A tombstone coming back to life is a new schedule: its creation time is now.

@@ -20,6 +20,8 @@ HEADER_SCHEDULED_AT = "cluster_beat_scheduled_at"
 HEADER_NODE = "cluster_beat_node"
 #: True when the occurrence was sent as a catch-up after downtime, not on time.
 HEADER_CATCHUP = "cluster_beat_catchup"
+#: True on an occurrence sent by an operator's backfill (``cluster-beat backfill``); absent otherwise.
+HEADER_BACKFILL = "cluster_beat_backfill"
 #: Which publish attempt of the occurrence this message is (1, or more after failed publishes).
 HEADER_ATTEMPT = "cluster_beat_attempt"
 #: The entry's effective ``max_run_time`` (seconds): after it a redelivered acks_late run may run again.
@@ -29,13 +31,16 @@ HEADER_MAX_RUN_TIME = "cluster_beat_max_run_time"
 #: copy's id, matched against the one pending on the run's row. Never written by beat.
 HEADER_CHECK = "cluster_beat_check"
 
-HEADERS = (HEADER_SCHEDULE, HEADER_SCHEDULED_AT, HEADER_NODE, HEADER_CATCHUP, HEADER_ATTEMPT, HEADER_MAX_RUN_TIME)
+HEADERS = (HEADER_SCHEDULE, HEADER_SCHEDULED_AT, HEADER_NODE, HEADER_CATCHUP, HEADER_ATTEMPT, HEADER_MAX_RUN_TIME,
+           HEADER_BACKFILL)
 
 
 def beat_headers(schedule: str, at: datetime, node: str, *, catchup: bool = False, attempt: int = 1,
-                 max_run_time: Optional[float] = None) -> Dict[str, Any]:
+                 max_run_time: Optional[float] = None, backfill: bool = False) -> Dict[str, Any]:
     """The headers beat adds to an occurrence's message, in the order it writes them (Celery's
-    own ``celery_beat_task`` marker included: tools that tell beat's messages apart read it)."""
+    own ``celery_beat_task`` marker included: tools that tell beat's messages apart read it).
+    ``cluster_beat_backfill`` is written only on a backfill's messages (so every other message,
+    and its prebuilt template, stays as it was)."""
     headers: Dict[str, Any] = {
         HEADER_SCHEDULE: schedule,
         HEADER_SCHEDULED_AT: utc_iso(at),
@@ -46,6 +51,8 @@ def beat_headers(schedule: str, at: datetime, node: str, *, catchup: bool = Fals
     }
     if max_run_time is not None:
         headers[HEADER_MAX_RUN_TIME] = max_run_time
+    if backfill:
+        headers[HEADER_BACKFILL] = True
     return headers
 
 
@@ -87,6 +94,8 @@ class OccurrenceContext:
     task_id: str
     #: The entry's effective max_run_time in seconds, as beat sent it (None: not sent).
     max_run_time: Optional[float]
+    #: Sent by an operator's backfill (``cluster-beat backfill``), not by the schedule's own fire.
+    backfill: bool = False
 
     @classmethod
     def from_request(cls, request: Any) -> Optional["OccurrenceContext"]:
@@ -122,4 +131,5 @@ class OccurrenceContext:
             send_attempt=send_attempt,
             task_id=str(getattr(request, "id", None) or ""),
             max_run_time=max_run_time if max_run_time is None or max_run_time > 0 else None,
+            backfill=get(HEADER_BACKFILL) is True,
         )

@@ -30,7 +30,7 @@ UTC = timezone.utc
 TTL_GRACE = "{'cluster_beat_lock_ttl': 2, 'cluster_beat_claim_grace': 2}"
 #: The rule (the leader applies an action within 1 s) plus room for a loaded machine.
 APPLIED_WITHIN = 1.0 + 1.5
-COMMANDS = ("status", "list", "history", "run-now", "pause", "resume", "prune", "check")
+COMMANDS = ("status", "list", "history", "run-now", "pause", "resume", "prune", "check", "backfill")
 
 
 def cli_process(app: App, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:

@@ -65,3 +65,23 @@ def test_a_bad_name_is_refused(make_store):
         store.set_paused("", True)
     with pytest.raises(ValueError):
         store.request_run("x" * 300)
+
+
+def test_the_leaders_pause_after_failures_yields_to_a_resume_and_to_an_operators_note(make_store):
+    """``pause_after_failures`` pauses only if the schedule was not resumed since the leader read
+    its runs, and never replaces the note of an operator's pause."""
+    store = make_store()
+    store.set_paused("nightly", True, by="alice", note="mine")
+    store.set_paused("nightly", False)
+    [read] = store.controls(["nightly"])
+    store.set_paused("nightly", True, by="bob")
+    store.set_paused("nightly", False)  # resumed again after the leader read
+    _, changed = store.set_paused("nightly", True, by="cluster-beat", note="3 failed", resumed_at=read.resumed_at)
+    assert not changed and not store.controls(["nightly"])[0].paused
+    [now] = store.controls(["nightly"])
+    _, changed = store.set_paused("nightly", True, by="cluster-beat", note="3 failed", resumed_at=now.resumed_at)
+    assert changed and store.controls(["nightly"])[0].paused_note == "3 failed"
+    store.set_paused("other", True, by="alice", note="theirs")
+    _, changed = store.set_paused("other", True, by="cluster-beat", note="2 failed", replace_note=False)
+    assert not changed and (store.controls(["other"])[0].paused_by, store.controls(["other"])[0].paused_note) == (
+        "alice", "theirs")

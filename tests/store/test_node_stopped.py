@@ -121,7 +121,7 @@ def test_a_version_4_store_is_migrated_by_the_first_beat_and_keeps_working(db_ur
     try:
         with raw.connect() as conn:
             assert conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")).scalar() \
-                == str(SCHEMA_VERSION) == "5"
+                == str(SCHEMA_VERSION) == "6"
             inspector = sa.inspect(conn)
             assert "stopped_at" in {c["name"] for c in inspector.get_columns(nodes_table.name)}
             assert "paused_note" in {c["name"] for c in inspector.get_columns(controls_table.name)}

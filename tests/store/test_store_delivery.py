@@ -473,7 +473,7 @@ def test_a_version_1_database_is_migrated_to_version_2_and_keeps_its_rows(db_url
 
         tables, columns, meta = _schema(raw)
         assert nodes_table.name in tables and "last_sent_occurrence" in columns
-        assert meta["schema_version"] == str(SCHEMA_VERSION) == "5"
+        assert meta["schema_version"] == str(SCHEMA_VERSION) == "6"
         assert meta.get("cluster_id") and store.cluster_id == meta["cluster_id"] == opened[1].cluster_id
 
         rows = [(r.schedule, r.scheduled_at, r.node, r.status, r.term) for r in store.claims()]

@@ -1,0 +1,214 @@
+"""``pause_after_failures=N``: the leader pauses a schedule whose last N runs failed.
+
+**Where failures come from.** From the worker-side ledger (``LedgerTask``): ``run_state`` on the
+claim rows. Without the ledger, from the result backend, where the overlap guard reads task states
+(its reader is reused: :attr:`~.guard.OverlapGuard.states`).
+
+**When it is looked at.** Off the hot path: in the housekeeping of the node holding the lease
+(every ``claim_grace / 3``, beside its heartbeat; never more often than :data:`CHECK_EVERY`
+seconds), so a tick with nothing due still issues no SQL. Ledger: one indexed SELECT of the runs recorded ``failed``
+since the previous pass (:meth:`~..store.failures.FailureQueries.failed_since`); when it finds
+none, that is all, whatever the number of schedules. Only a schedule with a new failure and the
+setting is judged, by one more read of its last N ended runs. Result backend: the runs this node
+sent of schedules with the setting whose task does not use the ledger wait in memory until their
+state is known, read in one batch (one MGET on Redis) per pass, only while some wait.
+
+**What "consecutive" means.** The last N runs *that ended*, in the order of their scheduled
+instants (a late finisher does not reorder them), all failed. Only runs count: an occurrence
+skipped by the overlap guard, recorded missed, refused, never delivered, or still running (or
+retried by Celery, or lost with its process) neither extends nor breaks the streak; one success
+resets it. Runs that ended before the schedule's last resume do not count (a resume restarts the
+streak). With the result backend the leader counts in memory the runs it sent, in the order it
+sent them: a new leader starts its count afresh.
+
+**What happens.** The schedule is paused through the operators' control (``by cluster-beat``,
+with a note such as ``paused after 3 consecutive failed runs (last: ValueError: ...)``), which
+every leader honours; :data:`~..signals.paused_after_failures` fires and the metric
+``cluster_beat_paused_after_failures_total`` counts it. ``resume`` clears it and the streak
+starts again from then.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from datetime import datetime, timedelta
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+
+from celery import states as celery_states
+
+from .. import signals
+from ..base import clip
+from ..config import Entry
+from ..config.values import printable
+from ..schedules.occurrence import Occurrence
+from ..store import StoreUnavailable
+from ..store.controls import MAX_NOTE_LENGTH
+from ..store.schema import RunState
+from .state import NodeState
+
+logger = logging.getLogger("celery_cluster_beat")
+
+#: Seconds between two passes.
+CHECK_EVERY = 2.0
+#: How far back a node that starts scheduling looks for failed runs.
+LOOKBACK = timedelta(hours=1)
+#: A run's finish time is the database's when its statement ran, before its commit: each pass reads
+#: this much before the previous one again (runs already judged are skipped).
+REREAD = timedelta(seconds=30)
+#: Failed runs read per pass (more: the next pass goes on from the last one read).
+READ_AT_ONCE = 500
+#: Who the pause is by.
+PAUSED_BY = "cluster-beat"
+
+
+def pause_note(count: int, last_error: Optional[str]) -> str:
+    """The note of a pause after *count* failed runs."""
+    last = f" (last: {printable(last_error)})" if last_error else ""
+    return clip(f"paused after {count} consecutive failed run{'s' if count != 1 else ''}{last}", MAX_NOTE_LENGTH)
+
+
+class FailureWatch:
+    """The failure streaks of schedules with ``pause_after_failures``, judged by the scheduling node.
+
+    :param paused: the names paused (the controls' set): they are not judged.
+    :param resolve: entries of stored schedules not held in memory, by name.
+    :param forget: drop what was kept about schedules that are not held.
+    :param paused_now: apply a pause this node just wrote (the controls' own path).
+    """
+
+    def __init__(self, node: NodeState, *, paused: Set[str], resolve: Callable[[List[str]], Dict[str, Entry]],
+                 forget: Callable[[List[str]], None], paused_now: Callable[[str], None]) -> None:
+        self.node = node
+        self._paused = paused
+        self._resolve = resolve
+        self._forget = forget
+        self._paused_now = paused_now
+        self.next_check = 0.0
+        #: Passes made (tests wait for one).
+        self.passes = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """This node starts scheduling: look back :data:`LOOKBACK`; nothing of before is kept."""
+        self._since: Optional[datetime] = None
+        self._seen: Dict[Tuple[str, datetime], datetime] = {}
+        #: Result backend: name -> (task id, monotonic time sent) of runs sent, their end not known yet.
+        self._waiting: Dict[str, Deque[Tuple[str, float]]] = {}
+        #: Result backend: name -> task ids of the failed runs in a row (and the last error).
+        self._streaks: Dict[str, List[str]] = {}
+
+    def due(self, mono: float) -> bool:
+        return mono >= self.next_check
+
+    def resumed(self, name: str) -> None:
+        """*name* was resumed: its streak restarts."""
+        self._streaks.pop(name, None)
+        self._waiting.pop(name, None)
+
+    # -- the result-backend path ------------------------------------------------------
+    def sent(self, entry: Entry, occ: Occurrence) -> None:
+        """A run of *entry* went out (the send pipeline's hook: one attribute read for most entries)."""
+        if entry.pause_after_failures is None or self.node.guard is None or self.node.guard.uses_ledger(entry):
+            return
+        waiting = self._waiting.setdefault(entry.name, deque())
+        waiting.append((occ.task_id, time.monotonic()))
+        while len(waiting) > 4 * entry.pause_after_failures + 16:  # never known: forgotten, oldest first
+            waiting.popleft()
+
+    def _backend_pass(self) -> None:
+        node = self.node
+        ids = [task_id for waiting in self._waiting.values() for task_id, _ in waiting]
+        if not ids or node.guard is None:
+            return
+        states = node.guard.states(ids)
+        mono = time.monotonic()
+        for name in list(self._waiting):
+            waiting = self._waiting[name]
+            entry = node.entries.get(name)
+            # A run whose result never shows (expired, ignored) past max_run_time is let go, unknown:
+            # it neither extends nor breaks the streak, and no longer holds up the runs after it.
+            give_up = node.guard.max_run_time(entry) if entry is not None else 0.0
+            while waiting and (states.get(waiting[0][0]) in celery_states.READY_STATES
+                               or mono - waiting[0][1] > give_up):
+                task_id, _ = waiting.popleft()
+                state = states.get(task_id)
+                if state == celery_states.SUCCESS:
+                    self._streaks.pop(name, None)
+                elif state == celery_states.FAILURE:
+                    self._streaks.setdefault(name, []).append(task_id)
+            if not waiting:
+                del self._waiting[name]
+            streak = self._streaks.get(name)
+            if streak and entry is not None and entry.pause_after_failures and len(streak) >= \
+                    entry.pause_after_failures and name not in self._paused:
+                self._pause(name, len(streak), f"task {streak[-1]} ended FAILURE", streak[-len(streak):])
+
+    # -- the pass -----------------------------------------------------------------------
+    def check(self) -> None:
+        """One pass (raises StoreUnavailable: the next pass reads the same window again)."""
+        node = self.node
+        self.next_check = time.monotonic() + CHECK_EVERY
+        now = node.clock.now()
+        since = self._since if self._since is not None else now - LOOKBACK
+        rows = node.store.failed_since(since - REREAD, limit=READ_AT_ONCE)
+        self._since = rows[-1][2] + REREAD if len(rows) == READ_AT_ONCE else max(since, now)
+        floor = since - REREAD
+        self._seen = {k: v for k, v in self._seen.items() if v > floor}
+        names: List[str] = []
+        new: List[Tuple[str, datetime]] = []
+        for name, at, finished in rows:
+            if (name, at) not in self._seen:
+                self._seen[(name, at)] = finished
+                new.append((name, at))
+                if name not in names and name not in self._paused:
+                    names.append(name)
+        if names:
+            try:
+                self._judge(names)
+            except StoreUnavailable:  # judged again on the next pass
+                self._since = since
+                for key in new:
+                    self._seen.pop(key, None)
+                raise
+        if self._waiting:
+            self._backend_pass()
+        self.passes += 1
+
+    def _judge(self, names: List[str]) -> None:
+        node = self.node
+        entries = {n: node.entries[n] for n in names if n in node.entries}
+        absent = [n for n in names if n not in entries]
+        if absent:
+            entries.update(self._resolve(absent))
+        try:
+            watched = {n: e for n, e in entries.items() if e.pause_after_failures and e.enabled}
+            if not watched:
+                return
+            resumed = {c.name: c.resumed_at for c in node.store.controls(list(watched))}
+            for name, entry in watched.items():
+                count = int(entry.pause_after_failures or 0)
+                runs = node.store.last_ended_runs(name, count, after=resumed.get(name))
+                if len(runs) == count and all(r.run_state == RunState.FAILED for r in runs):
+                    self._pause(name, count, runs[0].run_error, [r.task_id for r in runs],
+                                resumed_at=resumed.get(name))
+        finally:
+            if absent:
+                self._forget(absent)
+
+    def _pause(self, name: str, count: int, last_error: Optional[str], task_ids: List[str],
+               resumed_at: Any = ...) -> None:
+        node = self.node
+        note = pause_note(count, last_error)
+        # With *resumed_at*: only if not resumed since the runs were read (one transaction, serialised
+        # with every control change by the change counter's row lock).
+        _, changed = node.store.set_paused(name, True, by=PAUSED_BY, note=note, replace_note=False,
+                                           resumed_at=resumed_at)
+        self._streaks.pop(name, None)
+        self._waiting.pop(name, None)
+        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile
+            return
+        logger.warning("cluster-beat: %s %s", printable(name), note)
+        self._paused_now(name)
+        signals.paused_after_failures.send(sender=node.sender, schedule=name, failures=count,
+                                           last_error=last_error, note=note, task_ids=list(task_ids))

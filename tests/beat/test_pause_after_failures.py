@@ -1,0 +1,209 @@
+"""``pause_after_failures`` as the leader applies it, with a real Scheduler driven like beat drives
+it and a real claim database; the runs' outcomes are written through the ledger's own calls
+(``start_run`` / ``finish_run``, what ``LedgerTask`` does in a worker) on claim rows, so the test
+decides the order of successes and failures: N failures in a row pause the schedule with the note,
+the signal and the metric; a success in between resets the streak; ``resume`` restarts it;
+skipped and missed occurrences neither extend nor break it."""
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Callable, List
+
+import pytest
+from celery import Celery
+
+from celery_cluster_beat import every, signals
+from celery_cluster_beat.beat import failures
+from celery_cluster_beat.beat.scheduler import Scheduler
+from celery_cluster_beat.errors import ConfigError
+from celery_cluster_beat.dynamic import StoredSchedules
+from celery_cluster_beat.ops.metrics import ClusterBeatMetrics
+from celery_cluster_beat.schedules.occurrence import Occurrence
+from celery_cluster_beat.store import ClaimStore
+from celery_cluster_beat.store.schema import RunState
+
+
+@pytest.fixture(autouse=True)
+def _fast_passes(monkeypatch):
+    monkeypatch.setattr(failures, "CHECK_EVERY", 0.2)
+
+
+def _app(made, db, broker) -> Celery:
+    name = "ccb_paf_" + uuid.uuid4().hex[:8]
+    app = Celery(name, broker=broker, set_as_current=False)
+    app.conf.update(task_default_queue="q_" + name, cluster_beat_db_url=db, cluster_beat_redis_url="",
+                    cluster_beat_claim_grace=1.5,  # housekeeping, where failures are looked for, every 0.5 s
+                    beat_schedule={"flaky": {"task": "t.x", "schedule": every(3600), "pause_after_failures": 3}})
+    made.append(app)
+    return app
+
+
+def _drive(sched: Scheduler, done: Callable[[], Any], seconds: float) -> Any:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        found = done()
+        if found:
+            return found
+        time.sleep(max(0.0, min(sched.tick(), 0.1)))
+    return done()
+
+
+class Runs:
+    """Runs of past occurrences of one schedule, ended as the test says, through the ledger's calls."""
+
+    def __init__(self, store: ClaimStore, name: str) -> None:
+        self.store, self.name = store, name
+        self.at = store.db_now().replace(microsecond=0) - timedelta(minutes=50)
+
+    def run(self, outcome: RunState, error: str = "ValueError: boom") -> datetime:
+        self.at += timedelta(minutes=1)
+        occ = Occurrence(self.name, self.at)
+        self.store.claim([occ])
+        self.store.mark_sent([occ])
+        start = self.store.start_run(self.name, occ.at, task_id=occ.task_id, worker="w@test", pid=1)
+        self.store.finish_run(self.name, occ.at, start.token, outcome, 0.01,
+                              error if outcome is RunState.FAILED else None)
+        return occ.at
+
+    def skip(self, status: str) -> None:
+        self.at += timedelta(minutes=1)
+        self.store.record([Occurrence(self.name, self.at)], status=status, reason="test")
+
+
+def _passes(sched: Scheduler, more: int = 2) -> Callable[[], bool]:
+    """Done once the leader looked for failed runs *more* times from now."""
+    target = sched._stored.controls.failures.passes + more
+    return lambda: sched._stored.controls.failures.passes >= target
+
+
+def _paused(store: ClaimStore, name: str):
+    return lambda: next((c for c in store.controls([name]) if c.paused), None)
+
+
+def test_consecutive_failures_pause_a_success_resets_and_resume_restarts(made, db, broker):
+    app = _app(made, db, broker)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    metrics = ClusterBeatMetrics(sender=sched).connect()
+    made.append(metrics)
+    fired: List[dict] = []
+
+    def receiver(sender=None, **kw):
+        if sender is sched:
+            fired.append(kw)
+
+    signals.paused_after_failures.connect(receiver, weak=False)
+    try:
+        ops = ClaimStore(db, node_id="ops")
+        ops.open()
+        made.append(ops)
+        runs = Runs(ops, "flaky")
+        sched.tick()
+        runs.run(RunState.FAILED)
+        runs.run(RunState.FAILED)
+        runs.skip("skipped")  # overlap skips and missed occurrences neither break nor extend it
+        runs.skip("missed")
+        runs.run(RunState.SUCCEEDED)  # resets
+        runs.run(RunState.FAILED)
+        runs.run(RunState.FAILED)
+        assert _drive(sched, _passes(sched), 15)
+        assert _paused(ops, "flaky")() is None
+        runs.skip("missed")
+        runs.run(RunState.FAILED, "ValueError: the third")
+        paused = _drive(sched, _paused(ops, "flaky"), 15)
+        assert paused is not None
+        assert (paused.paused_by, paused.paused_note) == (
+            "cluster-beat", "paused after 3 consecutive failed runs (last: ValueError: the third)")
+        assert "flaky" in sched._stored.controls.paused and "flaky" not in sched._queue
+        assert [(f["schedule"], f["failures"], f["last_error"]) for f in fired] == [
+            ("flaky", 3, "ValueError: the third")]
+        assert b"cluster_beat_paused_after_failures_total 1.0" in metrics.exposition()
+
+        # resume: the streak restarts (the three failures before it no longer count)
+        ops.set_paused("flaky", False, by="alice")
+        assert _drive(sched, lambda: "flaky" not in sched._stored.controls.paused, 10)
+        runs.run(RunState.FAILED)
+        runs.run(RunState.FAILED)
+        assert _drive(sched, _passes(sched), 15)
+        assert _paused(ops, "flaky")() is None
+        runs.run(RunState.FAILED)
+        assert _drive(sched, _paused(ops, "flaky"), 15) is not None
+        assert len(fired) == 2
+    finally:
+        signals.paused_after_failures.disconnect(receiver)
+
+
+def test_a_stored_schedule_takes_the_setting_validated_and_is_paused_too(made, db, broker):
+    app = _app(made, db, broker)
+    app.conf.beat_schedule = {}
+    api = StoredSchedules(app)
+    made.append(api)
+    for bad in (0, -1, True, 1.5, "3"):
+        with pytest.raises(ConfigError, match="pause_after_failures"):
+            api.add("nope", "t.x", every(3600), pause_after_failures=bad)
+    api.add("stored", "t.x", every(3600), pause_after_failures=2)
+    assert api.get("stored").pause_after_failures == 2
+    api.update("stored", pause_after_failures=1)
+    assert api.get("stored").pause_after_failures == 1
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    sched.tick()
+    Runs(api.store, "stored").run(RunState.FAILED, "KeyError: 'x'")
+    paused = _drive(sched, _paused(api.store, "stored"), 15)
+    assert paused is not None and paused.paused_note == "paused after 1 consecutive failed run (last: KeyError: 'x')"
+
+
+def test_a_config_entry_with_a_bad_setting_is_refused():
+    from celery_cluster_beat.config.entries import build_entries
+
+    with pytest.raises(ConfigError, match="pause_after_failures: expected a whole number from 1 to 10000"):
+        build_entries({"e": {"task": "t", "schedule": every(5), "pause_after_failures": 0}})
+
+
+def test_without_the_ledger_failures_are_read_from_the_result_backend(made, db, broker):
+    """A plain task (no ledger) whose results the Redis result backend stores: the leader reads
+    the states of the runs it sent through the overlap guard's reader, in the order it sent them:
+    a success in between resets the streak, two failures in a row pause it."""
+    app = _app(made, db, broker)
+    app.conf.result_backend = broker
+    # Task ids derive from (name, instant): a name of its own keeps the results of the other
+    # database's run of this test (same Redis backend, same instants) apart from this one's.
+    name = "plain-" + uuid.uuid4().hex[:8]
+    app.conf.beat_schedule = {name: {"task": "t.plain", "schedule": every(1), "overlap": "allow",
+                                     "pause_after_failures": 2}}
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    script = ["FAILURE", "SUCCESS", "FAILURE", "FAILURE"]
+
+    done: dict = {}
+
+    def worker_results() -> None:
+        """Store a result for each sent run, in instant order, as the script says (then nothing)."""
+        for row in sorted((r for r in ops.claims(name) if r.status == "sent"), key=lambda r: r.scheduled_at):
+            if row.task_id in done or len(done) == len(script):
+                continue
+            state = script[len(done)]
+            result = ValueError("plain failed") if state == "FAILURE" else "ok"
+            app.backend.store_result(row.task_id, result, state)
+            done[row.task_id] = state
+
+    def step() -> Any:
+        worker_results()
+        return _paused(ops, name)()
+
+    script[3:] = []  # failed, succeeded, failed: the success reset the streak, no pause
+    assert _drive(sched, lambda: step() or len(done) == 3, 30)
+    assert _drive(sched, _passes(sched, 3), 15)
+    assert _paused(ops, name)() is None
+    script.append("FAILURE")  # the second failure in a row
+    paused = _drive(sched, step, 30)
+    assert paused is not None and list(done.values()) == ["FAILURE", "SUCCESS", "FAILURE", "FAILURE"]
+    assert paused.paused_note.startswith("paused after 2 consecutive failed runs (last: task ")
+    assert paused.paused_note.endswith("ended FAILURE)")
+    last_failed = [t for t, s in done.items() if s == "FAILURE"][-1]
+    assert last_failed in paused.paused_note

@@ -369,8 +369,11 @@ def raw_controls(text: str) -> int:
 
 
 def hammer(port: int, seconds: float, clients: int, cli: Callable[[Sequence[str]], Tuple[int, str, str]],
-           cli_commands: Sequence[Sequence[str]]) -> Hammered:
-    """*clients* client processes, a liveness probe thread, and CLI reads (here, one after another) for *seconds*."""
+           cli_commands: Sequence[Sequence[str]], cli_rounds: int = 0) -> Hammered:
+    """*clients* client processes, a liveness probe thread, and CLI reads (here, one after another) for *seconds*.
+
+    With *cli_rounds*, the CLI reads go on past the window until each of *cli_commands* ran that many
+    times: a loaded machine may fit fewer in (one ``list`` of 5,000 rows can take 10 s there)."""
     out = Hammered(started=time.time())
     until = out.started + seconds
     procs_ = [subprocess.Popen([sys.executable, "-c", CLIENT, str(port), str(until), json.dumps(CLIENT_PATHS)],
@@ -394,7 +397,7 @@ def hammer(port: int, seconds: float, clients: int, cli: Callable[[Sequence[str]
     prober.start()
     try:
         i = 0
-        while time.time() < until:
+        while time.time() < until or i < cli_rounds * len(cli_commands):
             args = list(cli_commands[i % len(cli_commands)])
             i += 1
             started = time.perf_counter()

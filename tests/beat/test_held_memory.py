@@ -93,7 +93,7 @@ def _kept(sched: Scheduler):
 
 @pytest.mark.timeout(180)
 def test_stored_schedules_handed_back_to_sql_leave_no_template_and_no_guard_state(db, made, broker, monkeypatch):
-    """2,000 stored ``every(n)`` schedules (n 13-25 s) first due 8-11 s after start are held, fire
+    """2,000 stored ``every(n)`` schedules (n 30-60 s) first due 8-11 s after start are held, fire
     once together, and are handed back to SQL (their next fire is past the 12 s horizon). Then
     the leader holds only the config's entry, and keeps no template and no last run of any of
     them, although each was sent from a template and its run recorded by the guard.
@@ -101,12 +101,16 @@ def test_stored_schedules_handed_back_to_sql_leave_no_template_and_no_guard_stat
     Fails if the template cache or the overlap guard's last runs keep a schedule that is no
     longer held (memory growing with every stored schedule ever fired)."""
     # A horizon of its own, wide enough that storing 2,000 rows on a loaded host still ends
-    # before their first fire (8-11 s away), which the next (13+ s later) lies beyond.
+    # before their first fire (8-11 s away), which the next (30+ s later) lies beyond. The window
+    # is at most 12 s ahead of the pass that fires them, so the next fire is past it unless that pass
+    # comes more than n - 12 s late: with n from 13 s, a pass 1-2 s late on a loaded machine (2,000
+    # sends) kept them held, and they fired again every n s and were never handed back; n >= 30
+    # leaves 18 s.
     monkeypatch.setattr(stored_module, "HORIZON", 12.0)
     app = _app(made, db, broker)
     api = StoredSchedules(app)
     made.append(api)
-    n = _every_first_in(8.0, 11.0, range(13, 26))
+    n = _every_first_in(8.0, 11.0, range(30, 61))
     api.add_many([{"name": f"s-{i:05d}", "task": "t.record", "schedule": every(n)} for i in range(N)])
     first = api.store.stored_get(["s-00000"])[0].next_at
     sched = Scheduler(app, lazy=False)

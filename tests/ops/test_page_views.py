@@ -112,6 +112,15 @@ def _get(port: int, target: str) -> Tuple[int, str, Dict[str, str], float]:
         conn.close()
 
 
+#: "At once": longer than one build (0.3 s) plus what a loaded 2-core machine adds to a request
+#: answered by threads of this one process (up to 1.5 s seen at load 12), shorter than any wait
+#: for the build slot. A slot is free once every 2 s (PAGE_CACHE), so four clients that wait for
+#: it queue behind one another: waits of 2, 4, 6 s and more (4-12 s measured with a request for
+#: another view made to wait for the slot), and the default view pushed out of the cache waits
+#: behind them as long.
+AT_ONCE = 2.5
+
+
 @pytest.mark.timeout(60)
 def test_clients_cycling_filters_are_answered_at_once_and_the_default_view_stays_fresh():
     """Four clients (the pool has four threads) ask for a new filter each time for 6 s; a page
@@ -157,9 +166,9 @@ def test_clients_cycling_filters_are_answered_at_once_and_the_default_view_stays
     assert busy and {a[0] for a in answers} <= {200, 503}, {a[0] for a in answers}
     assert all(int(h["retry-after"]) >= 1 for _, h, _ in busy), busy[:3]
     slow = sorted(took for _, _, took in answers)[-5:]
-    assert slow[-1] < 1.5, slow  # a build (0.3 s) at most, never a wait for the slot (2 s)
+    assert slow[-1] < AT_ONCE, slow  # a build (0.3 s) at most, never a wait for the slot (2 s)
     assert default and all(status == 200 for status, _, _ in default), [d[:2] for d in default]
-    assert max(took for _, _, took in default) < 1.5, [round(d[2], 2) for d in default]
+    assert max(took for _, _, took in default) < AT_ONCE, [round(d[2], 2) for d in default]
     fresh = {body for _, body, _ in default}
     assert len(fresh) >= 2, fresh  # rebuilt within the 6 s, not left to go stale behind the filters
 

@@ -19,7 +19,7 @@ from .types import NameType, UTCDateTime, naive_utc  # noqa: F401  (naive_utc: i
 
 #: Version of the tables below. Bump it (and add the step to :data:`MIGRATIONS`)
 #: whenever a released schema changes.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class ClaimStatus(StrEnum):
@@ -196,6 +196,13 @@ stored_schedules_table = sa.Table(
     # Its next occurrence (database clock), kept exact while the leader does not hold the
     # schedule in memory: the leader loads only what falls due within its horizon.
     sa.Column("next_at", UTCDateTime(), nullable=True),
+    # Version 6: bounds on when it fires (schedules/bounds.py); max_runs counts from start_at, else
+    # from created_at. ended_at: when its rule was found to have no further occurrence (a one-off
+    # that fired, a bound passed), database clock; next_at is then NULL and no leader loads it again.
+    sa.Column("start_at", UTCDateTime(), nullable=True),
+    sa.Column("end_at", UTCDateTime(), nullable=True),
+    sa.Column("max_runs", sa.Integer(), nullable=True),
+    sa.Column("ended_at", UTCDateTime(), nullable=True),
     sa.Index("ix_cluster_beat_stored_schedules_version", "version"),
     sa.Index("ix_cluster_beat_stored_schedules_next_at", "next_at"),
     **_MYSQL_TABLE,
@@ -370,3 +377,8 @@ MIGRATIONS = {
         lambda conn: _attempts_from_tokens(conn)],
     4: [_add_column(nodes_table, "stopped_at"), _add_column(controls_table, "paused_note")],
 }
+
+#: Version 5 -> 6, bounds and one-offs: stored schedules' start_at, end_at, max_runs and ended_at
+#: (NULL on existing rows: no bounds, not ended, which is what they were).
+_BOUNDS_COLUMNS = [_add_column(stored_schedules_table, c) for c in ("start_at", "end_at", "max_runs", "ended_at")]
+MIGRATIONS[5] = [*_BOUNDS_COLUMNS]

@@ -264,7 +264,7 @@ def test_a_version_3_database_is_migrated_and_its_unfinished_runs_keep_their_att
     try:
         with raw.connect() as conn:
             assert conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")).scalar() \
-                == str(SCHEMA_VERSION) == "5"
+                == str(SCHEMA_VERSION) == "6"
             assert sa.inspect(conn).has_table(workers_table.name)
         assert row(store, o).run_attempt == 7
         assert deliver(store, o, "p1", retries=7).outcome is DUPLICATE

@@ -83,7 +83,7 @@ def test_open_creates_the_tables_and_records_the_schema_version(make_store, raw,
             "cluster_beat_claims", "cluster_beat_schedules", "cluster_beat_leader", "cluster_beat_meta"
         }
         version = conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == "schema_version")).scalar()
-    assert version == str(SCHEMA_VERSION) == "5"
+    assert version == str(SCHEMA_VERSION) == "6"
     assert store.current_term() == 0
     other = make_store("node-b")  # a second node opens the existing tables
     assert other.claim([occ("a", 0)]) == [occ("a", 0)]
@@ -99,7 +99,7 @@ def test_a_database_stamped_by_a_newer_release_is_refused(make_store, raw, db_ur
     with raw.begin() as conn:
         conn.execute(sa.update(meta_table).where(meta_table.c.key == "schema_version").values(value="99"))
     store = ClaimStore(db_url, node_id="node-b")
-    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 5") as info:
+    with pytest.raises(SchemaVersionError, match=r"schema version 99, newer than version 6") as info:
         store.open()
     assert isinstance(info.value, ConfigError)  # start-up configuration problem
     assert "Upgrade celery-cluster-beat" in str(info.value)

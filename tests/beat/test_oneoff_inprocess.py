@@ -149,3 +149,31 @@ def test_max_runs_two_sends_exactly_two_and_end_at_stops_a_schedule(made, db, br
     again = _scheduler(made, app)
     _run(again, 2.0)
     assert len(_sent(app, "cfg-two")) == len(_sent(app, "st-two")) == 2
+
+
+@pytest.mark.timeout(120)
+def test_fired_one_offs_leave_memory_and_are_never_loaded_again(made, db, broker, monkeypatch):
+    """2,000 stored one-offs, held only once within the (shortened) horizon, fire, end in SQL and
+    leave nothing behind: no entry, no queue item, no message template, no overlap-guard last run.
+    A new horizon window does not load them again (next_at is NULL)."""
+    from celery_cluster_beat.beat import stored as stored_module
+
+    monkeypatch.setattr(stored_module, "HORIZON", 6.0)
+    ops = _ops(made, db)
+    app = _app(made, db, broker, {"static": {"task": "t.x", "schedule": every(3600)}})
+    api = StoredSchedules(app)
+    made.append(api)
+    when = ops.db_now().replace(microsecond=0) + timedelta(seconds=8)  # most beyond the first window
+    n = 2000
+    api.add_many({"name": f"o-{i:05d}", "task": "t.x", "schedule": at(when + timedelta(milliseconds=i))}
+                 for i in range(n))
+    sched = _scheduler(made, app)
+    client = redis.Redis.from_url(app.conf.broker_url)
+    made.append(client)
+    _run(sched, 40, until=lambda: client.llen(app.conf.task_default_queue) >= n and len(sched.entries) == 1)
+    _run(sched, 4.0)  # the window moves on at least once more
+    assert client.llen(app.conf.task_default_queue) == n
+    assert sorted(sched.entries) == ["static"] and sorted(name for _, name in sched._queue) == ["static"]
+    assert sched._pipeline.publisher.templates.kept() == 0 and sched._guard.kept_runs() == 0
+    assert ops.stored_due(ops.db_now() + timedelta(days=1)) == []
+    assert sum(1 for r in ops.stored_list() if r.ended_at is not None and r.next_at is None) == n

@@ -97,7 +97,8 @@ class StoredFollower:
             if current is not None and (current.stored_version or 0) >= row.version:
                 continue  # already held at this version (or a newer one)
             if row.deleted or not row.enabled or row.next_at is None or row.name in paused:
-                why = ("paused" if row.name in paused else "removed" if row.deleted else "disabled")
+                why = ("paused" if row.name in paused else "removed" if row.deleted
+                       else "ended" if row.enabled and row.next_at is None else "disabled")
                 self.drop(row.name, gone=why)
                 continue
             try:

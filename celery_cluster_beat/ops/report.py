@@ -387,8 +387,7 @@ class ScheduleReads:
         paused = bool(control and control.paused)
         state = self.states.get(name)
         last = self.latest.get(name)
-        if getattr(rule, "needs_origin", False) and state is not None and state.registered_at is not None:
-            rule = rule.with_origin(state.registered_at)  # max_runs of a config entry: from its registration
+        rule = self.bound(name, rule)
         next_fire = None
         ended = ended_at is not None
         if rule is not None and enabled and not paused:
@@ -416,6 +415,14 @@ class ScheduleReads:
             start_at=getattr(rule, "start_at", None), end_at=getattr(rule, "end_at", None),
             max_runs=getattr(rule, "max_runs", None), ended=ended, ended_at=ended_at,
         )
+
+    def bound(self, name: str, rule: Any) -> Any:
+        """*rule* with the origin its ``max_runs`` counts from when only the store knows it (a config
+        entry without ``start_at``: its registration), as the leader binds it."""
+        state = self.states.get(name)
+        if getattr(rule, "needs_origin", False) and state is not None and state.registered_at is not None:
+            return rule.with_origin(state.registered_at)
+        return rule
 
     def config_info(self, name: str, entry: Entry) -> ScheduleInfo:
         text, zone = _describe(self.app, entry.schedule)

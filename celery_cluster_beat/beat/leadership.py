@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from .. import signals
 from ..config import OverlapPolicy
@@ -74,7 +74,7 @@ class Leadership:
             if new:  # first seen now: a later leader catches up from here, never from before
                 registered = store.register(new)
                 last.update((name, registered) for name in new)
-            self._bind_origins(new, registered if new else None)
+            self._bind_origins()
             # The counter first: a change committed while the rows are read is applied again, harmlessly.
             version = store.stored_version()
             controls = store.controls(active_only=True)
@@ -135,19 +135,19 @@ class Leadership:
         node.pipeline.publisher.warm_up()
         self.upkeep.housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
 
-    def _bind_origins(self, new: Sequence[str], registered: Optional[datetime]) -> None:
+    def _bind_origins(self) -> None:
         """Give each config entry whose ``max_runs`` counts from its registration (no ``start_at``)
         that time: the first time any node saw it, by the database's clock, the same on every
-        replica and after any restart (the row is never pruned). StoreUnavailable propagates."""
+        replica and after any restart (the row is never pruned). Read back from the store, never
+        taken from this node's own registration: replicas racing without a lease register at
+        different times, and only the first is kept. StoreUnavailable propagates."""
         node = self.node
-        waiting = [n for n in node.static if getattr(node.entries.get(n) and node.entries[n].schedule,
-                                                       "needs_origin", False)]
+        # (a disabled entry never fires: it needs none)
+        waiting = [n for n in node.static if n in node.entries and node.entries[n].enabled
+                   and getattr(node.entries[n].schedule, "needs_origin", False)]
         if not waiting:
             return
-        origins = {n: registered for n in new if n in waiting}
-        rest = [n for n in waiting if n not in origins]
-        if rest:
-            origins.update((s.name, s.registered_at) for s in node.store.schedule_states(rest))
+        origins = {s.name: s.registered_at for s in node.store.schedule_states(waiting)}
         for name in waiting:
             origin = origins.get(name)
             if origin is None:  # registered by a release before registration times were kept: from now on

@@ -91,6 +91,10 @@ class BoundedRule(ScheduleRule):
         raise AttributeError(name)
 
     @property
+    def once(self) -> bool:  # type: ignore[override]
+        return self.rule.once or self.max_runs == 1
+
+    @property
     def start(self) -> Optional[datetime]:
         """Where ``max_runs`` counts from: ``start_at``, else the origin (None: not known here)."""
         return self.start_at if self.start_at is not None else self.origin

@@ -51,6 +51,8 @@ class ScheduleRule:
     """Fire instants in UTC, equality by value (two replicas' rules compare equal)."""
 
     tz_name: Optional[str]
+    #: At most one instant (a one-off): it has no previous run to guard against.
+    once = False
 
     def _zone(self) -> tzinfo:
         if self.tz_name is not None:
@@ -206,6 +208,8 @@ class AtRule(ScheduleRule):
     ``cron`` reads its fields; a wall time in a spring-forward gap fires at the gap's end, one in
     a repeated hour in its first pass: the rule of a fixed cron time, so ``at`` and ``cron`` agree.
     """
+
+    once = True
 
     def __init__(self, when: Any, tz: Any = None) -> None:
         what = f"at({when!r})"

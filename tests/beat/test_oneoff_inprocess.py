@@ -71,7 +71,7 @@ def _ops(made, db) -> ClaimStore:
 @pytest.mark.timeout(60)
 def test_a_config_one_off_and_a_stored_one_off_are_each_sent_once_and_the_row_ends(made, db, broker):
     ops = _ops(made, db)
-    when = ops.db_now().replace(microsecond=0) + timedelta(seconds=3)
+    when = ops.db_now().replace(microsecond=0) + timedelta(seconds=5)
     app = _app(made, db, broker, {"once": {"task": "t.once", "schedule": at(when)}})
     api = StoredSchedules(app)
     made.append(api)
@@ -96,17 +96,18 @@ def test_a_config_one_off_and_a_stored_one_off_are_each_sent_once_and_the_row_en
 @pytest.mark.timeout(60)
 def test_a_one_off_whose_instant_passed_while_no_scheduler_ran_follows_its_catchup_policy(made, db, broker):
     ops = _ops(made, db)
-    when = ops.db_now().replace(microsecond=0) + timedelta(seconds=2)
+    when = ops.db_now().replace(microsecond=0) + timedelta(seconds=8)
     app = _app(made, db, broker, {"cfg-latest": {"task": "t.once", "schedule": at(when)},
                                   "cfg-none": {"task": "t.once", "schedule": at(when), "catchup": "none"}})
-    first = _scheduler(made, app)  # registers the config entries, then stops before their instant
-    _run(first, 0.5)
-    first.close()
     api = StoredSchedules(app)
     made.append(api)
     api.add("st-latest", "t.once", at(when))
     api.add("st-none", "t.once", at(when), catchup="none")
     api.add("st-window", "t.once", at(when), catchup_window=1)
+    first = _scheduler(made, app)  # registers the config entries, then stops before their instant
+    _run(first, 0.5)
+    first.close()
+    assert ops.db_now() < when - timedelta(seconds=1), "set-up: the first scheduler stopped before the instant"
     while ops.db_now() < when + timedelta(seconds=3):  # the instant passes with no scheduler running
         time.sleep(0.1)
     sched = _scheduler(made, app)
@@ -126,7 +127,7 @@ def test_a_one_off_whose_instant_passed_while_no_scheduler_ran_follows_its_catch
 def test_max_runs_two_sends_exactly_two_and_end_at_stops_a_schedule(made, db, broker):
     ops = _ops(made, db)
     now = ops.db_now()
-    start = now.replace(microsecond=0) + timedelta(seconds=2)
+    start = now.replace(microsecond=0) + timedelta(seconds=4)
     app = _app(made, db, broker, {
         "cfg-two": {"task": "t.x", "schedule": every(1), "max_runs": 2},  # counted from its registration
         "cfg-until": {"task": "t.x", "schedule": every(1), "start_at": start, "end_at": start + timedelta(seconds=2)},

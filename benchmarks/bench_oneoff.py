@@ -254,10 +254,19 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result))
         return 0
     names = [s for s in args.schedulers.split(",") if s]
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "missing"
+
     print_header("One-offs: at() at scale", [
         f"setup   : {args.schedules} one-offs, instants spread evenly over {args.spread:.0f} s from {args.lead:.0f} s "
         f"after storing; ours: claims in {'SQLite' if args.sqlite else 'PostgreSQL'}, no lease; django-celery-beat: "
-        f"clocked one_off tasks, Django on {'SQLite' if args.django_sqlite else 'PostgreSQL'}; each scheduler driven in its own process, one after another"])
+        f"clocked one_off tasks (django-celery-beat {v('django-celery-beat')}, Django {v('Django')}), Django on "
+        f"{'SQLite' if args.django_sqlite else 'PostgreSQL'}; each scheduler driven in its own process, one after another"])
     results: Dict[str, Dict] = {}
     with redis_db(args.redis_db) as broker:
         for name in names:
@@ -271,6 +280,7 @@ def main() -> int:
             try:
                 subprocess.run(cmd, check=True, timeout=limit)
                 results[name] = summarise(json.loads(out.read_text()))
+                log(f"{name}: {results[name]}")
             except (subprocess.SubprocessError, ValueError) as exc:
                 log(f"{name}: failed ({exc})")
             finally:

@@ -25,10 +25,10 @@ from .errors import ConfigError, ScheduleError
 
 if TYPE_CHECKING:
     from .beat.scheduler import Scheduler
-    from .schedules import as_schedule, cron, every
+    from .schedules import as_schedule, at, cron, every
     from .worker import LedgerTask, current_occurrence
 
-__all__ = ["cron", "every", "as_schedule", "ScheduleError", "ConfigError", "Scheduler", "LedgerTask",
+__all__ = ["cron", "every", "at", "as_schedule", "ScheduleError", "ConfigError", "Scheduler", "LedgerTask",
            "current_occurrence"]
 __version__ = "0.1.0"
 
@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 #: package for every ``celery`` command (the ``cluster-beat`` plugin loads at start), so
 #: importing it costs nothing: ``cron`` / ``every`` bring ``celery.schedules``, the scheduler
 #: and the worker side bring SQLAlchemy, and each only when asked for.
-_LAZY = {"cron": ".schedules", "every": ".schedules", "as_schedule": ".schedules",
+_LAZY = {"cron": ".schedules", "every": ".schedules", "at": ".schedules", "as_schedule": ".schedules",
          "Scheduler": ".beat.scheduler", "LedgerTask": ".worker", "current_occurrence": ".worker"}
 
 

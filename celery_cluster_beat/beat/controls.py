@@ -104,13 +104,17 @@ class Controls:
             # (this leader's horizon, or the next leader) catches the paused time up.
             node.store.stored_set_next([(name, rows[0].version, nxt)], term=node.term())
             horizon = self._horizon()
-            if horizon is not None and nxt >= horizon:
-                logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
+            if nxt is None or (horizon is not None and nxt >= horizon):
+                logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat() if nxt else "none (ended)")
                 return
             node.entries[name] = entry
         if entry is None or not entry.enabled:
             return
         nxt = entry.schedule.next_fire(now)
+        if nxt is None:  # ended while paused (a one-off whose instant passed, a bound reached)
+            node.queue.remove(name)
+            logger.info("cluster-beat: %s resumed; it has no further occurrence", name)
+            return
         node.queue.set(name, nxt)
         logger.info("cluster-beat: %s resumed; next fire %s", name, nxt.isoformat())
 

@@ -44,7 +44,8 @@ logger = logging.getLogger("celery_cluster_beat")
 CLAIM_AHEAD = timedelta(seconds=0.5)
 
 Due = Tuple[Entry, datetime, bool]
-Leaving = Tuple[str, int, datetime]
+#: A stored schedule handed back to SQL: (name, version, next fire; None when it has ended).
+Leaving = Tuple[str, int, Optional[datetime]]
 #: An occurrence that ends ``failed`` without being sent, and why.
 Failed = Tuple[Entry, Occurrence, str]
 
@@ -79,7 +80,7 @@ class DuePass:
             entry = entries[name]
             try:
                 nxt = entry.schedule.next_fire(at)
-                single = nxt > now
+                single = nxt is None or nxt > now
                 if not single:
                     nxt = entry.schedule.next_fire(now)  # forward from now: a stall never builds a backlog
             except Exception as exc:  # its rule cannot go on (past what datetime holds): it stops here, said
@@ -88,9 +89,16 @@ class DuePass:
                 logger.error("cluster-beat: %s stops firing: %s", name, reason)
                 failed.append((entry, Occurrence(entry.name, at), reason))
                 continue
-            queue.set(name, nxt)
-            if entry.stored_version is not None and horizon is not None and nxt >= horizon:
-                leaving.append((name, entry.stored_version, nxt))
+            if nxt is None:  # its last occurrence (a one-off, a bound reached): it leaves the queue for good
+                queue.remove(name)
+                if entry.stored_version is not None:  # ended in SQL too: no leader loads it again
+                    leaving.append((name, entry.stored_version, None))
+                else:
+                    logger.info("cluster-beat: %s has no further occurrence after %s", name, at.isoformat())
+            else:
+                queue.set(name, nxt)
+                if entry.stored_version is not None and horizon is not None and nxt >= horizon:
+                    leaving.append((name, entry.stored_version, nxt))
             due.append((entry, at, single))
         return due, leaving, failed
 

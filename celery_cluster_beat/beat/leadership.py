@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from typing import Dict
+from typing import Dict, List, Optional
 
 from .. import signals
 from ..config import OverlapPolicy
@@ -74,6 +74,7 @@ class Leadership:
             if new:  # first seen now: a later leader catches up from here, never from before
                 registered = store.register(new)
                 last.update((name, registered) for name in new)
+            self._bind_origins()
             # The counter first: a change committed while the rows are read is applied again, harmlessly.
             version = store.stored_version()
             controls = store.controls(active_only=True)
@@ -106,7 +107,8 @@ class Leadership:
             if known is not None:
                 known[c.name] = max(known.get(c.name, c.resumed_at), c.resumed_at)
         fires: Dict[str, datetime] = {}
-        known: Dict[tuple, datetime] = {}  # thousands of entries share a few rules and instants
+        ended: List[str] = []
+        known: Dict[tuple, Optional[datetime]] = {}  # thousands of entries share a few rules and instants
         for name, entry in entries.items():
             if not entry.enabled or name in paused:
                 continue
@@ -114,10 +116,17 @@ class Leadership:
             # seen: it does not catch up to before it existed.
             after = last.get(name, now)
             key = (entry.schedule.fires_key(), after)
-            nxt = known.get(key)
-            if nxt is None:
+            if key in known:
+                nxt = known[key]
+            else:
                 nxt = known[key] = entry.schedule.next_fire(after)
+            if nxt is None:  # a one-off that fired, a bound passed: nothing more to schedule
+                ended.append(name)
+                continue
             fires[name] = nxt
+        if ended:
+            logger.info("cluster-beat: %d beat_schedule entr%s without a further occurrence (ended): %s",
+                        len(ended), "y" if len(ended) == 1 else "ies", ", ".join(sorted(ended)[:10]))
         node.queue = Timeline(fires)
         self._log_schedule(fires)
         self.stored.reset(version, horizon)
@@ -126,6 +135,26 @@ class Leadership:
         self.upkeep.prune_soon()
         node.pipeline.publisher.warm_up()
         self.upkeep.housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
+
+    def _bind_origins(self) -> None:
+        """Give each config entry whose ``max_runs`` counts from its registration (no ``start_at``)
+        that time: the first time any node saw it, by the database's clock, the same on every
+        replica and after any restart (the row is never pruned). Read back from the store, never
+        taken from this node's own registration: replicas racing without a lease register at
+        different times, and only the first is kept. StoreUnavailable propagates."""
+        node = self.node
+        # (a disabled entry never fires: it needs none)
+        waiting = [n for n in node.static if n in node.entries and node.entries[n].enabled
+                   and getattr(node.entries[n].schedule, "needs_origin", False)]
+        if not waiting:
+            return
+        origins = {s.name: s.registered_at for s in node.store.schedule_states(waiting)}
+        for name in waiting:
+            origin = origins.get(name)
+            if origin is None:  # registered by a release before registration times were kept: from now on
+                origin = node.clock.now()
+            entry = node.entries[name]
+            entry.schedule = entry.schedule.with_origin(origin)
 
     def _log_schedule(self, fires: Dict[str, datetime]) -> None:
         """At debug level (``-l debug``), as plain beat's "Current schedule": one line per schedule."""

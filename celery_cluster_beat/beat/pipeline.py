@@ -363,7 +363,9 @@ class SendPipeline:
         # Jitter delays the schedule's own fire times only: a run-now (or its resend after a
         # crash) is sent at once.
         if jitter and entry.schedule.next_fire(occ.at - TINY) == occ.at:
-            delay = jitter_delay(entry.name, occ.at, jitter, entry.schedule.next_fire(occ.at))
+            following = entry.schedule.next_fire(occ.at)  # None after a last occurrence: the jitter is the cap
+            delay = jitter_delay(entry.name, occ.at, jitter,
+                                 following if following is not None else occ.at + timedelta(seconds=2 * jitter))
             if delay:
                 eta = occ.at + timedelta(seconds=delay)
         return Dispatch(occ, entry.task, entry.args, entry.kwargs, entry.options,

@@ -61,7 +61,7 @@ class StoredFollower:
         self.read_at = float("-inf")  # monotonic time the change counter was last read
         self.changes_wanted = False
         #: (name, version, next fire) of stored schedules to hand back to SQL once their next_at is written.
-        self.evict_retry: List[Tuple[str, int, datetime]] = []
+        self.evict_retry: List[Tuple[str, int, Optional[datetime]]] = []
         self.evict_retry_at = 0.0
 
     @staticmethod
@@ -88,6 +88,7 @@ class StoredFollower:
         node = self.node
         paused = self.controls.paused
         held = []
+        ended: List[Tuple[str, int, Optional[datetime]]] = []
         for row in rows:
             if row.name in node.static:
                 self._clash(row)
@@ -96,7 +97,8 @@ class StoredFollower:
             if current is not None and (current.stored_version or 0) >= row.version:
                 continue  # already held at this version (or a newer one)
             if row.deleted or not row.enabled or row.next_at is None or row.name in paused:
-                why = ("paused" if row.name in paused else "removed" if row.deleted else "disabled")
+                why = ("paused" if row.name in paused else "removed" if row.deleted
+                       else "ended" if row.enabled and row.next_at is None else "disabled")
                 self.drop(row.name, gone=why)
                 continue
             try:
@@ -113,14 +115,25 @@ class StoredFollower:
                 continue
             # On the schedule's own instants (the zone it is read in here decides), from next_at on.
             at = entry.schedule.next_fire(row.next_at - TINY)
-            if last and row.name in last:  # held (it is before the horizon in SQL), from where it really is
-                at = max(at, entry.schedule.next_fire(last[row.name]))
+            if at is not None and last and row.name in last:  # held (before the horizon in SQL), from where it is
+                after_last = entry.schedule.next_fire(last[row.name])
+                at = None if after_last is None else max(at, after_last)
+            if at is None:  # its last occurrence was recorded already (the previous leader did not hand it back)
+                if current is not None:
+                    self.drop(row.name, gone="ended")  # an older definition held must not fire on
+                ended.append((row.name, row.version, None))
+                continue
             node.entries[row.name] = entry
             node.queue.set(row.name, at)
             held.append(row.name)
+        # A one-off has no previous run for the overlap guard to know of: 20,000 one-offs entering
+        # the horizon together cost no read of their (absent) states.
+        held = [name for name in held if not node.entries[name].schedule.once]
         if held:
             self.states_owed.update(held)
             self._load_states()
+        if ended:
+            self.release(ended)
 
     def _load_states(self) -> None:
         """Give the overlap guard the previous runs of newly held stored schedules (kept owed when the
@@ -271,9 +284,10 @@ class StoredFollower:
             # Only what is still that fire: a schedule that fired since was handed back anew.
             self.release([(n, v, at) for n, v, at in leaving if node.queue.get(n) == at])
 
-    def release(self, leaving: List[Tuple[str, int, datetime]]) -> None:
+    def release(self, leaving: List[Tuple[str, int, Optional[datetime]]]) -> None:
         """Hand stored schedules whose next fire is past the horizon back to SQL: record their
-        next occurrence, then forget them. Until SQL has it they stay in memory."""
+        next occurrence, then forget them. Until SQL has it they stay in memory. A next fire of
+        None: the schedule has ended (``next_at`` NULL, ``ended_at`` set), it is no longer queued."""
         node = self.node
         try:
             node.store.stored_set_next(leaving, term=node.term())  # StaleTermError: fenced out, nothing written
@@ -287,7 +301,10 @@ class StoredFollower:
             entry = node.entries.get(name)
             # Still that definition, still that fire, and still past the horizon (which may have
             # moved on meanwhile): a window read before this write could not have seen it.
-            if (entry is not None and entry.stored_version == version and node.queue.get(name) == at
+            if at is None:
+                if name not in node.queue:  # ended: nothing of it is kept (a change may have queued it again)
+                    self.drop(name)
+            elif (entry is not None and entry.stored_version == version and node.queue.get(name) == at
                     and self.horizon is not None and at >= self.horizon):
                 self.drop(name)
 

@@ -11,7 +11,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..base import MAX_NAME_LENGTH
 from ..errors import ConfigError, ScheduleError
-from ..schedules import ClusterSchedule, as_schedule
+from ..schedules import ClusterSchedule, as_schedule, bounded
+from ..schedules.bounds import runs_problem
+from ..schedules.rules import parse_instant
 from .options import option_problems
 from .values import (MAX_SECONDS, MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, description_problem,
                      count_problem, seconds_problem, shown, text_problem)
@@ -21,6 +23,8 @@ OUR_KEYS = ("overlap", "max_run_time", "jitter", "catchup", "catchup_window", "e
             "pause_after_failures")
 #: Most consecutive failed runs ``pause_after_failures`` may wait for.
 MAX_PAUSE_AFTER_FAILURES = 10000
+#: Bounds on when an entry fires (schedules/bounds.py); kept apart: a stored schedule has columns for them.
+BOUND_KEYS = ("start_at", "end_at", "max_runs")
 
 
 @dataclass
@@ -73,7 +77,34 @@ def _check_schedule(spec: Any, app: Any) -> Tuple[Optional[ClusterSchedule], Opt
 
 
 _CELERY_KEYS = frozenset(CELERY_KEYS)
-_OUR_KEYS = frozenset(OUR_KEYS)
+_OUR_KEYS = frozenset(OUR_KEYS + BOUND_KEYS)
+
+
+def _bounds(spec: Mapping[str, Any], schedule: Optional[ClusterSchedule], origin: Optional[datetime],
+            bad: Any) -> Optional[ClusterSchedule]:
+    """*schedule* with the entry's ``start_at`` / ``end_at`` / ``max_runs`` (itself when it has none);
+    each problem reported through *bad(field, reason)*."""
+    given = {key: spec.get(key) for key in BOUND_KEYS if spec.get(key) is not None}
+    if not given:
+        return schedule
+    when: Dict[str, datetime] = {}
+    for key in ("start_at", "end_at"):
+        if key in given:
+            try:
+                when[key] = parse_instant(given[key], "")
+            except ScheduleError as exc:
+                bad(key, str(exc))
+    if "start_at" in when and "end_at" in when and when["end_at"] < when["start_at"]:
+        bad("end_at", f"{when['end_at'].isoformat()} is before start_at {when['start_at'].isoformat()}")
+        return None
+    reason = runs_problem(given["max_runs"]) if "max_runs" in given else None
+    if reason:
+        bad("max_runs", reason)
+        return None
+    if schedule is None or len(when) < len(given) - ("max_runs" in given):
+        return None
+    return bounded(schedule, start_at=when.get("start_at"), end_at=when.get("end_at"),
+                   max_runs=given.get("max_runs"), origin=origin)
 
 
 def _maybe(kind: Any, value: Any) -> Any:
@@ -81,14 +112,16 @@ def _maybe(kind: Any, value: Any) -> Any:
 
 
 def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule entry", check_options: bool = True,
-                printable_only: bool = True) -> Tuple[Optional[Entry], List[str]]:
+                printable_only: bool = True, origin: Optional[datetime] = None) -> Tuple[Optional[Entry], List[str]]:
     """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems.
 
     *label* names where the entry comes from in each problem (stored schedules say so).
     *check_options* False: the caller checked the options already (a stored schedule's pass the
     stricter allow-list of config/options.py first). *printable_only* False: a stored row read back,
     whose name, task and description were valid when written: only what the claim database cannot
-    hold is refused (see :func:`~.values.text_problem`); True for text entering (``beat_schedule``)."""
+    hold is refused (see :func:`~.values.text_problem`); True for text entering (``beat_schedule``).
+    *origin*: where ``max_runs`` counts from without ``start_at`` (a stored row's creation; for a
+    config entry beat binds its registration when it starts scheduling)."""
     problems: List[str] = []
 
     def bad(field_name: str, reason: str) -> None:
@@ -109,7 +142,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
         if key in _OUR_KEYS:
             ours = True
         else:
-            bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS)})")
+            bad(str(key), f"unknown key (known: {', '.join(CELERY_KEYS + OUR_KEYS + BOUND_KEYS)})")
     task = spec.get("task")
     reason = text_problem(task, limit=MAX_NAME_LENGTH, what="a task name", printable_only=printable_only)
     if reason:
@@ -163,6 +196,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
             reason = text_problem(description, limit=MAX_TEXT_BYTES, what="a string", free=True)
         if reason:
             bad("description", reason)
+        schedule = _bounds(spec, schedule, origin, bad)
     if problems:
         return None, problems
     return (

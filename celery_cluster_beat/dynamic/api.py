@@ -52,15 +52,20 @@ from ..base import MAX_NAME_LENGTH
 from ..config.settings import Settings, load_settings
 from ..config.values import MAX_TEXT_BYTES, description_problem, shown, text_problem
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
-from ..schedules.celery_types import app_zone, as_schedule
+from ..schedules.bounds import runs_problem
+from ..schedules.celery_types import app_zone
+from ..schedules.instants import utcnow
+from ..schedules.rules import parse_instant
 from ..schedules.tzwall import get_zone, zone_name
 from ..schedules.text import parse_schedule_text, schedule_text
 from ..store import ClaimStore
 from ..store.stored import DEFINITION, StoredRow
-from .convert import LABEL, POLICY_KEYS, entry_from_row, json_depth_problem, round_trips, to_json
+from .convert import LABEL, POLICY_KEYS, entry_from_row, json_depth_problem, round_trips, rule_of_row, to_json
 
+#: Bounds on when a stored schedule fires (schedules/bounds.py), each a column of its own.
+BOUND_FIELDS = ("start_at", "end_at", "max_runs")
 #: What :meth:`StoredSchedules.update` may change.
-FIELDS = ("task", "schedule", "args", "kwargs", "options", *POLICY_KEYS, "owner", "enabled")
+FIELDS = ("task", "schedule", "args", "kwargs", "options", *POLICY_KEYS, "owner", "enabled", *BOUND_FIELDS)
 #: ... and the zone of its rule (``tz``), which otherwise stays what it was.
 UPDATE_FIELDS = (*FIELDS, "tz")
 #: Width of the zone column (schema: ``zone``).
@@ -85,6 +90,21 @@ def _schedule_text(name: str, value: Any) -> Tuple[str, Optional[str]]:
     except (OverflowError, ValueError, TypeError, ArithmeticError) as exc:
         raise ConfigError(f"{LABEL} {name!r}: schedule: cannot be read as a schedule "
                           f"({exc.__class__.__name__}: {exc})") from None
+
+
+def _bound(name: str, key: str, value: Any) -> Any:
+    """A bound given to the API as its column holds it (aware UTC, or a count); ConfigError when bad."""
+    if value is None:
+        return None
+    if key == "max_runs":
+        reason = runs_problem(value)
+        if reason:
+            raise ConfigError(f"{LABEL} {name!r}: max_runs: {reason}")
+        return value
+    try:
+        return parse_instant(value, "")
+    except ScheduleError as exc:
+        raise ConfigError(f"{LABEL} {name!r}: {key}: {exc}") from None
 
 
 def _zone_of(name: str, tz: Any) -> Optional[str]:
@@ -124,10 +144,17 @@ class StoredSchedule:
     created_at: datetime
     changed_at: datetime
     #: The next occurrence as last recorded; the leader keeps the exact value of schedules
-    #: due soon in memory, so for those this may lag.
+    #: due soon in memory, so for those this may lag. None once it has ended (or while disabled).
     next_at: Optional[datetime]
     #: Pause after this many consecutive failed runs (None: never).
     pause_after_failures: Optional[int] = None
+    #: Bounds (aware UTC; None: unbounded). max_runs counts from start_at, else created_at.
+    start_at: Optional[datetime] = None
+    end_at: Optional[datetime] = None
+    max_runs: Optional[int] = None
+    #: When its rule was found to have no further occurrence (a one-off that fired, a bound passed):
+    #: it never fires again and stays, as history, until removed.
+    ended_at: Optional[datetime] = None
 
     @classmethod
     def from_row(cls, row: StoredRow) -> "StoredSchedule":
@@ -139,7 +166,8 @@ class StoredSchedule:
             max_run_time=row.max_run_time, jitter=row.jitter, catchup=row.catchup,
             catchup_window=row.catchup_window, description=row.description or "", owner=row.owner,
             enabled=row.enabled, version=row.version, created_at=row.created_at, changed_at=row.changed_at,
-            next_at=row.next_at, pause_after_failures=row.pause_after_failures,
+            next_at=row.next_at, pause_after_failures=row.pause_after_failures, start_at=row.start_at,
+            end_at=row.end_at, max_runs=row.max_runs, ended_at=row.ended_at,
         )
 
 
@@ -189,7 +217,7 @@ class StoredSchedules:
     def _next_fire(self, row: Mapping[str, Any], now: datetime) -> Optional[datetime]:
         if not row["enabled"]:
             return None
-        return as_schedule(parse_schedule_text(row["schedule"], row["zone"]), app=self.app).next_fire(now)
+        return rule_of_row(row, app=self.app).next_fire(now)
 
     def _definition(self, name: str, values: Mapping[str, Any], old: Optional[StoredRow] = None) -> Dict[str, Any]:
         """A row's definition columns from API values, validated like a beat_schedule entry.
@@ -217,7 +245,9 @@ class StoredSchedules:
             row["schedule"], row["zone"] = _schedule_text(name, values["schedule"])
             if row["zone"] is not None and len(row["zone"]) > MAX_ZONE_LENGTH:
                 raise ConfigError(f"{LABEL} {name!r}: schedule: zone name longer than {MAX_ZONE_LENGTH} characters")
-            if row["zone"] is None and (not row["schedule"].startswith("every") or " from " in row["schedule"]):
+            exact = row["schedule"].startswith("every") and " from " not in row["schedule"] or (
+                row["schedule"].startswith("at ") and row["schedule"].endswith("Z"))  # no wall time to read
+            if row["zone"] is None and not exact:
                 # A wall-clock rule without a zone of its own is stored in the app's zone, so the leader
                 # reads it in the zone it was written for, whatever its own timezone setting says.
                 row["zone"] = zone_name(app_zone(self.app))
@@ -265,6 +295,9 @@ class StoredSchedules:
             row["owner"] = owner
         if "enabled" in given:
             row["enabled"] = values.get("enabled", True)
+        for key in BOUND_FIELDS:
+            if key in given:
+                row[key] = _bound(name, key, values.get(key))
         # The exact checks (and messages) of a beat_schedule entry, on what would be stored.
         entry = entry_from_row(StoredRow(**{k: row[k] for k in DEFINITION}, deleted=False, version=0,
                                          created_at=None, changed_at=None, next_at=None),  # type: ignore[arg-type]
@@ -276,8 +309,23 @@ class StoredSchedules:
         if problems:  # an explicit guard on runs nothing can observe would block it silently
             raise ConfigError(problems)
         if old is None:
+            self._never_fires(name, row)
             self._open().check_names([name])
         return row
+
+    def _never_fires(self, name: str, row: Mapping[str, Any]) -> None:
+        """Refuse to add a schedule that has no occurrence left (a one-off in the past, an end_at that
+        passed): stored, it would end at once without a trace of why. By this host's clock; an update
+        may end a schedule (end_at now, say): it is then marked ended."""
+        now = utcnow()
+        if not row.get("enabled", True) or rule_of_row(dict(row, created_at=now), app=self.app).next_fire(now):
+            return
+        if row.get("end_at") is not None and row["end_at"] <= now:
+            raise ConfigError(f"{LABEL} {name!r}: end_at: {row['end_at'].isoformat()} has passed: the schedule "
+                              "would never fire")
+        field = "schedule" if row["schedule"].startswith("at ") else "start_at" if row.get("start_at") else "schedule"
+        raise ConfigError(f"{LABEL} {name!r}: {field}: no occurrence after now ({now.isoformat()}): the schedule "
+                          "would never fire")
 
     def _change(self, names: Sequence[str], change: Any) -> int:
         version = self._open().stored_change(names, change, self._next_fire)
@@ -295,13 +343,20 @@ class StoredSchedules:
             kwargs: Optional[Mapping[str, Any]] = None, options: Optional[Mapping[str, Any]] = None,
             overlap: Optional[str] = None, max_run_time: Optional[float] = None, jitter: Optional[float] = None,
             catchup: Optional[str] = None, catchup_window: Optional[float] = None, description: str = "",
-            owner: Optional[str] = None, enabled: bool = True,
+            owner: Optional[str] = None, enabled: bool = True, start_at: Optional[Any] = None,
+            end_at: Optional[Any] = None, max_runs: Optional[int] = None,
             pause_after_failures: Optional[int] = None) -> StoredSchedule:
-        """Store a new schedule; :class:`ConfigError` if the name is taken or a field is bad."""
+        """Store a new schedule; :class:`ConfigError` if the name is taken or a field is bad.
+
+        *schedule* may be ``at(when)``: it fires once, then the row stays, ended, as history.
+        *start_at* / *end_at* (aware datetimes or ISO-8601 text with an offset) and *max_runs* bound
+        any schedule; max_runs counts the occurrences from start_at (else from the row's creation),
+        whatever became of them (sent, skipped, missed or failed). *pause_after_failures* pauses it
+        after that many consecutive failed runs."""
         values = dict(task=task, schedule=schedule, args=args, kwargs=kwargs, options=options, overlap=overlap,
                       max_run_time=max_run_time, jitter=jitter, catchup=catchup, catchup_window=catchup_window,
-                      description=description, owner=owner, enabled=enabled,
-                      pause_after_failures=pause_after_failures)
+                      description=description, owner=owner, enabled=enabled, start_at=start_at, end_at=end_at,
+                      max_runs=max_runs, pause_after_failures=pause_after_failures)
         row = self._definition(name, values)
 
         def change(live: Dict[str, StoredRow], now: datetime) -> Tuple[List[Dict[str, Any]], List[str]]:

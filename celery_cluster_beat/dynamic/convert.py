@@ -13,11 +13,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
-from ..config.entries import MAX_PAUSE_AFTER_FAILURES, Entry, build_entry
+from ..config.entries import BOUND_KEYS, MAX_PAUSE_AFTER_FAILURES, Entry, build_entry
 from ..config.options import conf_allowed_stored_options, stored_option_problems
 from ..config.values import (MAX_TEXT_BYTES, CatchupPolicy, OverlapPolicy, choice_problem, count_problem,
                              seconds_problem)
 from ..errors import ConfigError, ScheduleError
+from ..schedules.celery_types import ClusterSchedule, as_schedule, bounded
 from ..schedules.text import parse_schedule_text
 from ..store.stored import StoredRow
 
@@ -100,10 +101,14 @@ def entry_from_row(row: StoredRow, app: Any = None, *, allowed: Optional[Collect
             else:
                 spec[key] = value
     spec["enabled"] = row.enabled
+    for key in BOUND_KEYS:
+        if getattr(row, key) is not None:
+            spec[key] = getattr(row, key)
     if problems:
         raise ConfigError(problems)
     entry, problems = build_entry(row.name, spec, app=app, label=LABEL, check_options="options" not in spec,
-                                  printable_only=False)  # valid when written: readable, shown escaped
+                                  printable_only=False,  # valid when written: readable, shown escaped
+                                  origin=row.created_at)  # max_runs without start_at counts from the creation
     if entry is None:
         raise ConfigError(problems)
     entry.stored_version = row.version
@@ -111,6 +116,16 @@ def entry_from_row(row: StoredRow, app: Any = None, *, allowed: Optional[Collect
     entry.refused = "; ".join(reason for _, reason in refused) or None
     entry.refusals = tuple(refused)
     return entry
+
+
+def rule_of_row(row: Mapping[str, Any], app: Any = None) -> ClusterSchedule:
+    """The rule a row's definition columns give (its bounds included, counted from its ``created_at``),
+    without the rest of :func:`entry_from_row`'s checks: where a change computes the next occurrence."""
+    rule = as_schedule(parse_schedule_text(row["schedule"], row["zone"]), app=app)
+    if all(row.get(key) is None for key in BOUND_KEYS):
+        return rule
+    return bounded(rule, start_at=row.get("start_at"), end_at=row.get("end_at"), max_runs=row.get("max_runs"),
+                   origin=row.get("created_at"))
 
 
 def _allowed(app: Any) -> Collection[str]:

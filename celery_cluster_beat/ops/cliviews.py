@@ -188,10 +188,11 @@ def render_list(schedules: Sequence["ScheduleInfo"], now: Optional[datetime] = N
         return "no schedules"
     note = "\n\n(next fire is computed from the rule and the database's clock; jitter may delay the send)"
     if wide or now is None:
-        rows = [(s.name, s.task, s.state, s.source, s.overlap, s.schedule, s.zone, rule_cell(s), when(s.next_fire),
-                 when(s.last_occurrence), s.outcome, _counters(s), s.paused_by, s.paused_note) for s in schedules]
-        out = table(["NAME", "TASK", "STATE", "SOURCE", "POLICY", "SCHEDULE", "ZONE", "RULE", "NEXT FIRE (UTC)",
-                     "LAST (UTC)", "OUTCOME", "SENT/SKIP/MISS/FAIL", "PAUSED BY", "NOTE"], rows)
+        rows = [(s.name, s.task, s.state, s.source, s.overlap, s.schedule, s.zone, rule_cell(s), s.bounds or None,
+                 when(s.next_fire), when(s.last_occurrence), s.outcome, _counters(s), s.paused_by, s.paused_note)
+                for s in schedules]
+        out = table(["NAME", "TASK", "STATE", "SOURCE", "POLICY", "SCHEDULE", "ZONE", "RULE", "BOUNDS",
+                     "NEXT FIRE (UTC)", "LAST (UTC)", "OUTCOME", "SENT/SKIP/MISS/FAIL", "PAUSED BY", "NOTE"], rows)
         return out + note
     rows = [(s.name, s.state, rule_cell(s), relative(s.next_fire, now), last_words(s, now), s.overlap, s.source)
             for s in schedules]

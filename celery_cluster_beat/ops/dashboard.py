@@ -177,6 +177,10 @@ def schedule_rows(rows: Sequence[Dict[str, Any]], now: datetime) -> List[Dict[st
             flags.append({"text": "paused", "tone": "warn", "title": clip(title, 300)})
         if not r.get("enabled", True):
             flags.append({"text": "disabled", "tone": "muted", "title": "enabled=False: never fires"})
+        elif r.get("ended"):
+            ended_at = _parse(r.get("ended_at"))
+            flags.append({"text": "ended", "tone": "muted", "title": "no further occurrence: it never fires again"
+                          + (f" (ended {exact(ended_at)})" if ended_at else "")})
         if attention == "overdue":
             flags.append({"text": "overdue", "tone": "bad", "title": "its next occurrence is long past: nobody sends it"})
         if r.get("run_requested_at"):
@@ -187,7 +191,7 @@ def schedule_rows(rows: Sequence[Dict[str, Any]], now: datetime) -> List[Dict[st
             "task": clip(r.get("task"), 200), "description": clip(r.get("description"), DESCRIPTION_SHOWN),
             "source": r.get("source") or "", "owner": r.get("owner") or "",
             "rule": clip(r.get("rule") or r.get("schedule"), 200), "compact": clip(r.get("compact") or r.get("schedule"), 120),
-            "zone": r.get("zone") or "",
+            "zone": r.get("zone") or "", "bounds": clip(r.get("bounds"), 200) or "",
             "next": when(_parse(r.get("next_fire")), now),
             "last": {**when(_parse(r.get("last_occurrence")), now), "word": last_word, "tone": last_tone},
             "runtime": duration(r.get("last_runtime")) if r.get("last_runtime") is not None else "",

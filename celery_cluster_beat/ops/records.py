@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ..base import StrEnum
 from ..store import ClaimRow
+from .words import bounds_words
 
 __all__ = ["ClusterStatus", "LeaseInfo", "NodeInfo", "NodeStatus", "PausedInfo", "UnsentOccurrence", "ScheduleInfo",
            "Counters", "HistoryRow", "MANUAL", "BACKFILL"]
@@ -180,15 +181,29 @@ class ScheduleInfo(_AsDict):
     overlap: Optional[str] = None
     rule: Optional[str] = None  #: the rule in words with its zone ("At 02:30, Monday through Friday (UTC)")
     compact: Optional[str] = None  #: the rule's short form (``0 4 * * *``, ``every 6h from 02:30``)
+    #: Bounds (schedules/bounds.py): fired only in [start_at, end_at], at most max_runs times from its start.
+    start_at: Optional[datetime] = None
+    end_at: Optional[datetime] = None
+    max_runs: Optional[int] = None
+    #: Its rule has no further occurrence (a one-off that fired, a bound passed): it never fires again.
+    ended: bool = False
+    ended_at: Optional[datetime] = None  #: when a leader found it ended (stored schedules; database clock)
 
     @property
     def state(self) -> str:
-        """``invalid``, ``paused``, ``enabled`` or ``disabled``."""
+        """``invalid``, ``paused``, ``ended``, ``enabled`` or ``disabled``."""
         if self.problem:
             return "invalid"
         if self.paused:
             return "paused"
+        if self.ended and self.enabled:
+            return "ended"
         return "enabled" if self.enabled else "disabled"
+
+    @property
+    def bounds(self) -> str:
+        """The bounds in words (``from 2026-12-07 15:00Z, until ..., at most 2 runs``); empty without."""
+        return bounds_words(self.start_at, self.end_at, self.max_runs)
 
     @property
     def outcome(self) -> Optional[str]:
@@ -205,6 +220,7 @@ class ScheduleInfo(_AsDict):
         out = _plain(self)
         out["outcome"] = self.outcome
         out["state"] = self.state
+        out["bounds"] = self.bounds
         return out
 
 

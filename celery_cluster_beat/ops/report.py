@@ -382,15 +382,18 @@ class ScheduleReads:
 
     def info(self, name: str, task: str, source: str, rule: Any, text: str, zone: Optional[str], enabled: bool,
              owner: Optional[str] = None, description: str = "", problem: Optional[str] = None,
-             overlap: Optional[str] = None) -> ScheduleInfo:
+             overlap: Optional[str] = None, ended_at: Optional[datetime] = None) -> ScheduleInfo:
         control = self.controls.get(name)
         paused = bool(control and control.paused)
         state = self.states.get(name)
         last = self.latest.get(name)
+        rule = self.bound(name, rule)
         next_fire = None
+        ended = ended_at is not None
         if rule is not None and enabled and not paused:
             try:
                 next_fire = rule.next_fire(self.now)
+                ended = ended or next_fire is None
             except (ScheduleError, ValueError):
                 next_fire = None
         counters = Counters(**{f.name: getattr(state, f.name) for f in dataclasses.fields(Counters)}) \
@@ -409,7 +412,17 @@ class ScheduleReads:
             paused_note=control.paused_note if paused and control else None, overlap=overlap,
             rule=rule_words(rule, zone) if rule is not None else None,
             compact=compact(rule) if rule is not None else None,
+            start_at=getattr(rule, "start_at", None), end_at=getattr(rule, "end_at", None),
+            max_runs=getattr(rule, "max_runs", None), ended=ended, ended_at=ended_at,
         )
+
+    def bound(self, name: str, rule: Any) -> Any:
+        """*rule* with the origin its ``max_runs`` counts from when only the store knows it (a config
+        entry without ``start_at``: its registration), as the leader binds it."""
+        state = self.states.get(name)
+        if getattr(rule, "needs_origin", False) and state is not None and state.registered_at is not None:
+            return rule.with_origin(state.registered_at)
+        return rule
 
     def config_info(self, name: str, entry: Entry) -> ScheduleInfo:
         text, zone = _describe(self.app, entry.schedule)
@@ -424,7 +437,7 @@ class ScheduleReads:
                              description=row.description or "", problem="; ".join(exc.problems))
         text, zone = _describe(self.app, entry.schedule)
         return self.info(row.name, row.task, "stored", entry.schedule, text, zone, row.enabled, owner=row.owner,
-                         description=row.description or "", overlap=self.overlap(entry))
+                         description=row.description or "", overlap=self.overlap(entry), ended_at=row.ended_at)
 
 
 def paused_info(store: ClaimStore, name: str) -> Optional[PausedInfo]:

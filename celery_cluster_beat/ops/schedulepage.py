@@ -354,7 +354,7 @@ def schedule_detail(app: Any, store: Optional[ClaimStore] = None, name: str = ""
     info: Optional[ScheduleInfo] = None
     attention: Optional[Attention] = None
     if name in entries:
-        info, rule = reads.config_info(name, entries[name]), entries[name].schedule
+        info, rule = reads.config_info(name, entries[name]), reads.bound(name, entries[name].schedule)
         attention = _config_attention(name, entries[name], mark, now, NextFires())[0]
     elif rows:
         info = reads.stored_info(rows[0])

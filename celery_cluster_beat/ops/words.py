@@ -10,7 +10,7 @@ form, never to an exception, because these strings decorate reports and must not
 """
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Iterable, Optional, Sequence, Tuple
@@ -96,8 +96,32 @@ def cron_fields(spec: Any) -> str:
     return " ".join(_ranges(list(s), lo, hi) for s, (lo, hi) in zip(sets, _BOUNDS))
 
 
+def _minute_text(at: datetime) -> str:
+    """An instant as operators read it: ``2026-12-07 15:00Z`` (seconds only when not zero)."""
+    at = at.astimezone(timezone.utc)
+    return at.strftime("%Y-%m-%d %H:%M:%S" if at.second or at.microsecond else "%Y-%m-%d %H:%M") + "Z"
+
+
+def bounds_words(start_at: Optional[datetime], end_at: Optional[datetime], max_runs: Optional[int]) -> str:
+    """``from 2026-12-07 15:00Z, until 2026-12-31 00:00Z, at most 2 runs``; empty without bounds."""
+    parts = []
+    if start_at is not None:
+        parts.append(f"from {_minute_text(start_at)}")
+    if end_at is not None:
+        parts.append(f"until {_minute_text(end_at)}")
+    if max_runs is not None:
+        parts.append(f"at most {_plural(max_runs, 'run')}")
+    return ", ".join(parts)
+
+
 def compact(schedule: Any) -> str:
-    """A rule's short text: cron fields, or ``every 6h from 02:30``; falls back to ``repr``."""
+    """A rule's short text: cron fields, ``every 6h from 02:30``, or ``at 2026-12-07T15:00:00Z``;
+    falls back to ``repr``."""
+    instant, wall = getattr(schedule, "instant", None), getattr(schedule, "wall", None)
+    if instant is not None:
+        return "at " + instant.astimezone(timezone.utc).replace(tzinfo=None).isoformat() + "Z"
+    if wall is not None:
+        return "at " + wall.isoformat()
     spec = getattr(schedule, "spec", None)
     if spec is not None:
         text = getattr(spec, "text", None)
@@ -150,6 +174,11 @@ def rule_words(schedule: Any, zone: Optional[str] = None) -> str:
         spec = getattr(schedule, "spec", None)
         if spec is not None:
             text = _cron_words(spec)
+        elif getattr(schedule, "instant", None) is not None:  # a one-off at an exact instant: no zone
+            return "once, at " + _minute_text(schedule.instant)
+        elif getattr(schedule, "wall", None) is not None:  # a one-off at a wall time in its zone
+            wall = schedule.wall
+            text = "once, at " + wall.strftime("%Y-%m-%d %H:%M:%S" if wall.second or wall.microsecond else "%Y-%m-%d %H:%M")
         elif getattr(schedule, "step_us", None) is not None:
             text = "every " + interval_words(schedule.step_us / 1_000_000)
             if text.startswith("every 1 "):  # "every minute", not "every 1 minute"

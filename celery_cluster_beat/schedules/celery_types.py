@@ -15,13 +15,18 @@ from typing import Any, Optional
 
 from celery import schedules as celery_schedules
 
+from .bounds import BoundedRule
 from .cronexpr import CronSpec, spec_from_sets
 from .errors import ScheduleError
 from .instants import UTC
-from .rules import CronRule, EveryRule, Interval, ScheduleRule
+from .rules import AtRule, CronRule, EveryRule, Interval, ScheduleRule
 from .tzwall import get_zone, zone_name
 
-__all__ = ["cron", "every", "ClusterSchedule", "as_schedule", "app_zone", "local_zone"]
+__all__ = ["cron", "every", "at", "bounded", "ClusterSchedule", "as_schedule", "app_zone", "local_zone"]
+
+#: What Celery's ``is_due`` says of a rule with no further instant: not due, look again in a day
+#: (stock Celery beat keeps the entry; our scheduler drops it).
+_ENDED_RECHECK = 86400.0
 
 #: The zone of each app that schedules were bound to, read from its configuration at first use.
 _APP_ZONES: "weakref.WeakKeyDictionary[Any, tzinfo]" = weakref.WeakKeyDictionary()
@@ -92,12 +97,15 @@ class ClusterSchedule(ScheduleRule, celery_schedules.BaseSchedule):
 
     def remaining_estimate(self, last_run_at: datetime) -> timedelta:
         now = self._aware(self.now())
-        return self.next_fire(self._aware(last_run_at)) - now
+        nxt = self.next_fire(self._aware(last_run_at))
+        return timedelta(seconds=_ENDED_RECHECK) if nxt is None else nxt - now
 
     def is_due(self, last_run_at: datetime) -> celery_schedules.schedstate:
         now = self._aware(self.now())
-        due = self.next_fire(self._aware(last_run_at)) <= now
-        return celery_schedules.schedstate(due, (self.next_fire(now) - now).total_seconds())
+        nxt = self.next_fire(self._aware(last_run_at))
+        due = nxt is not None and nxt <= now
+        after = self.next_fire(now)
+        return celery_schedules.schedstate(due, _ENDED_RECHECK if after is None else (after - now).total_seconds())
 
     # BaseSchedule defines these too: the rule's value equality wins.
     __eq__ = ScheduleRule.__eq__
@@ -160,6 +168,43 @@ def _rebuild_every(step_us: int, baseline: Optional[str], tz: Optional[str]) -> 
     return every(timedelta(microseconds=step_us), baseline=baseline, tz=tz)
 
 
+class at(ClusterSchedule, AtRule):
+    """A one-off: fires once at *when* (see :class:`.rules.AtRule`), then never again.
+
+    ``at(datetime(2026, 12, 7, 15, tzinfo=timezone.utc))``, ``at("2026-12-07T15:00:00Z")``, or a
+    wall time ``at(datetime(2026, 12, 7, 9), tz="America/Chicago")`` (without *tz*: the app's zone).
+    """
+
+    def __init__(self, when: Any, tz: Optional[str] = None, *, nowfun=None, app=None):
+        celery_schedules.BaseSchedule.__init__(self, nowfun=nowfun, app=app)
+        AtRule.__init__(self, when, tz)
+
+    def __reduce__(self):
+        return (_rebuild_at, (self.instant or self.wall, self.tz_name))
+
+
+def _rebuild_at(when: datetime, tz: Optional[str]) -> at:
+    return at(when, tz)
+
+
+class bounded(ClusterSchedule, BoundedRule):
+    """A schedule with ``start_at`` / ``end_at`` / ``max_runs`` (see :mod:`.bounds`); built from an
+    entry's keys or a stored row's columns, in its rule's zone (the rule's app decides it)."""
+
+    def __init__(self, rule: ClusterSchedule, *, start_at: Optional[datetime] = None,
+                 end_at: Optional[datetime] = None, max_runs: Optional[int] = None,
+                 origin: Optional[datetime] = None, nowfun=None, app=None):
+        celery_schedules.BaseSchedule.__init__(self, nowfun=nowfun, app=app)
+        BoundedRule.__init__(self, rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin)
+
+    def __reduce__(self):
+        return (_rebuild_bounded, (self.rule, self.start_at, self.end_at, self.max_runs, self.origin))
+
+
+def _rebuild_bounded(rule: ClusterSchedule, start_at, end_at, max_runs, origin) -> bounded:
+    return bounded(rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin)
+
+
 def as_schedule(value: Any, app=None) -> ClusterSchedule:
     """Our schedule for a ``beat_schedule`` value (ours or Celery's).
 
@@ -172,6 +217,8 @@ def as_schedule(value: Any, app=None) -> ClusterSchedule:
     if isinstance(value, ClusterSchedule):
         if app is not None and value._app is None:
             value.app = app
+        if isinstance(value, bounded):
+            as_schedule(value.rule, app=app)  # the zone it runs in is its rule's
         return value
     if isinstance(value, str):  # a cron expression written as text: checked here, field by field
         return cron(value, app=app)

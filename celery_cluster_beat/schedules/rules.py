@@ -17,9 +17,9 @@ from .crontimes import CronTimes, cron_times
 from .errors import ScheduleError
 from .instants import UTC, require_aware
 from .intervals import baseline_next, epoch_next, interval_micros, parse_baseline
-from .tzwall import get_zone, zone_name
+from .tzwall import get_zone, resolve, zone_name
 
-__all__ = ["ScheduleRule", "CronRule", "EveryRule", "Interval"]
+__all__ = ["ScheduleRule", "CronRule", "EveryRule", "AtRule", "Interval", "parse_instant"]
 
 Interval = Union[int, float, timedelta]
 
@@ -51,6 +51,8 @@ class ScheduleRule:
     """Fire instants in UTC, equality by value (two replicas' rules compare equal)."""
 
     tz_name: Optional[str]
+    #: At most one instant (a one-off): it has no previous run to guard against.
+    once = False
 
     def _zone(self) -> tzinfo:
         if self.tz_name is not None:
@@ -61,7 +63,9 @@ class ScheduleRule:
         """The zone of a rule that names none."""
         return UTC
 
-    def next_fire(self, after: datetime) -> datetime:  # pragma: no cover - abstract
+    def next_fire(self, after: datetime) -> Optional[datetime]:  # pragma: no cover - abstract
+        """First instant strictly after *after*, aware UTC; None when the rule has no further
+        instant (a one-off that fired, a bounded rule past its end): every caller handles None."""
         raise NotImplementedError
 
     def fires_key(self) -> Tuple:
@@ -76,9 +80,10 @@ class ScheduleRule:
         end = require_aware(end, "end")
         out: List[datetime] = []
         while limit is None or len(out) < limit:
-            t = self.next_fire(t)
-            if t > end:
+            nxt = self.next_fire(t)
+            if nxt is None or nxt > end:
                 break
+            t = nxt
             out.append(t)
         return out
 
@@ -168,3 +173,69 @@ class EveryRule(ScheduleRule):
         if self.baseline:
             text += f" from {self.baseline}" + (f" {self.tz_name}" if self.tz_name else "")
         return f"<every {text}>"
+
+
+def parse_instant(value: Any, what: str, *, naive_ok: bool = False) -> datetime:
+    """*value* (a datetime, or ISO-8601 text such as ``2026-12-07T15:00:00Z``) as a datetime:
+    aware UTC, or, with *naive_ok*, naive when it names no offset (a wall time). Anything else
+    is a :class:`ScheduleError` naming *what* (if not empty): a naive value is refused unless
+    *naive_ok*, because whether it meant UTC or some zone's wall time cannot be guessed."""
+    lead = f"{what}: " if what else ""
+    if isinstance(value, str):
+        text = value.strip()
+        if text[-1:] in ("Z", "z"):
+            text = text[:-1] + "+00:00"
+        try:
+            value = datetime.fromisoformat(text)
+        except ValueError:
+            raise ScheduleError(f"{lead}{value!r} is not an ISO-8601 date and time "
+                                "(e.g. '2026-12-07T15:00:00Z' or '2026-12-07T16:00:00+01:00')") from None
+    elif not isinstance(value, datetime):
+        raise ScheduleError(f"{lead}expected a datetime or ISO-8601 text, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        if naive_ok:
+            return value.replace(tzinfo=None)
+        raise ScheduleError(f"{lead}{value.isoformat()} is a naive datetime: give its offset "
+                            "(e.g. '+00:00' or 'Z', or an aware datetime)")
+    return value.astimezone(UTC)
+
+
+class AtRule(ScheduleRule):
+    """One instant: fires once, then has no further instant (``next_fire`` gives None).
+
+    *when* aware (or ISO text with an offset or ``Z``): that instant, whatever *tz* says. Naive
+    (or ISO text without an offset): a wall time in *tz*, or without one in the app's zone, as
+    ``cron`` reads its fields; a wall time in a spring-forward gap fires at the gap's end, one in
+    a repeated hour in its first pass: the rule of a fixed cron time, so ``at`` and ``cron`` agree.
+    """
+
+    once = True
+
+    def __init__(self, when: Any, tz: Any = None) -> None:
+        what = f"at({when!r})"
+        value = parse_instant(when, what, naive_ok=True)
+        if value.tzinfo is None:
+            self.instant: Optional[datetime] = None
+            self.wall: Optional[datetime] = value
+            self.tz_name = _zone_name(what, tz)
+        else:
+            self.instant, self.wall = value, None
+            self.tz_name = None  # an exact instant: no zone reads it
+
+    def fire_at(self) -> datetime:
+        """The one instant, aware UTC (a wall time resolved in its zone now: zone data decide)."""
+        if self.instant is not None:
+            return self.instant
+        return resolve(self._zone(), self.wall)[1][0]
+
+    def next_fire(self, after: datetime) -> Optional[datetime]:
+        at = self.fire_at()
+        return at if at > require_aware(after) else None
+
+    def _key(self) -> Tuple:
+        return (self.instant, self.wall, self.tz_name)
+
+    def __repr__(self) -> str:
+        if self.instant is not None:
+            return f"<at {self.instant.isoformat()}>"
+        return f"<at {self.wall.isoformat()}{' tz=' + self.tz_name if self.tz_name else ''}>"

@@ -201,6 +201,13 @@ stored_schedules_table = sa.Table(
     sa.Column("next_at", UTCDateTime(), nullable=True),
     # Version 6: pause the schedule after this many consecutive failed runs (None: never).
     sa.Column("pause_after_failures", sa.Integer(), nullable=True),
+    # Version 6: bounds on when it fires (schedules/bounds.py); max_runs counts from start_at, else
+    # from created_at. ended_at: when its rule was found to have no further occurrence (a one-off
+    # that fired, a bound passed), database clock; next_at is then NULL and no leader loads it again.
+    sa.Column("start_at", UTCDateTime(), nullable=True),
+    sa.Column("end_at", UTCDateTime(), nullable=True),
+    sa.Column("max_runs", sa.Integer(), nullable=True),
+    sa.Column("ended_at", UTCDateTime(), nullable=True),
     sa.Index("ix_cluster_beat_stored_schedules_version", "version"),
     sa.Index("ix_cluster_beat_stored_schedules_next_at", "next_at"),
     **_MYSQL_TABLE,
@@ -423,6 +430,10 @@ _BACKFILL_AND_FAILURE_COLUMNS = [
     _add_index(_index(claims_table, "ix_cluster_beat_claims_run_state_finished_at")),
 ]
 
+#: Version 5 -> 6, bounds and one-offs: stored schedules' start_at, end_at, max_runs and ended_at
+#: (NULL on existing rows: no bounds, not ended, which is what they were).
+_BOUNDS_COLUMNS = [_add_column(stored_schedules_table, c) for c in ("start_at", "end_at", "max_runs", "ended_at")]
+
 #: version -> the steps that bring a store of that version to the next one. New tables
 #: are created by ``create_all``; only changes to existing tables are listed here.
 MIGRATIONS = {
@@ -432,5 +443,5 @@ MIGRATIONS = {
     3: [*(_add_column(claims_table, c) for c in ("run_process", "run_attempt", "check_token", "check_at")),
         lambda conn: _attempts_from_tokens(conn)],
     4: [_add_column(nodes_table, "stopped_at"), _add_column(controls_table, "paused_note")],
-    5: [*_BACKFILL_AND_FAILURE_COLUMNS],
+    5: [*_BACKFILL_AND_FAILURE_COLUMNS, *_BOUNDS_COLUMNS],
 }

@@ -57,14 +57,17 @@ class StoredRow:
     #: Version 6: pause after this many consecutive failed runs (None: never). Last, with a default,
     #: so rows built by position before it existed still read right.
     pause_after_failures: Optional[int] = None
+    start_at: Optional[datetime] = None
+    end_at: Optional[datetime] = None
+    max_runs: Optional[int] = None
+    #: When its rule was found to have no further occurrence (database clock); next_at is then None.
+    ended_at: Optional[datetime] = None
 
 
 _FIELDS = [f.name for f in fields(StoredRow)]
-#: Columns a change writes (the rest are the store's: version, times, tombstone).
-DEFINITION = [f for f in _FIELDS if f not in ("version", "created_at", "changed_at", "next_at", "deleted")]
-
-#: Definition columns a change may leave out (added in version 6): they are written None.
-OPTIONAL = frozenset({"pause_after_failures"})
+#: Columns a change writes (the rest are the store's: version, times, tombstone, end).
+DEFINITION = [f for f in _FIELDS if f not in ("version", "created_at", "changed_at", "next_at", "deleted",
+                                              "ended_at")]
 
 #: ``change(existing, now) -> (rows to write, names to remove)``: *existing* maps each asked
 #: name to its live row (tombstones left out); *now* is the database's time. Raising aborts
@@ -103,7 +106,9 @@ class StoredScheduleQueries:
         """Apply *change* to the stored schedules *names* in one transaction; the new version.
 
         *next_fire(row, now)* gives a written row's next occurrence after the change
-        (None when disabled): a changed schedule restarts from the change time.
+        (None when disabled, or when its rule has no further one: the row is then marked ended);
+        a changed schedule restarts from the change time. *row* has ``created_at`` too (where
+        ``max_runs`` counts from).
         """
         t = stored_schedules_table
         wanted = sorted(set(names))
@@ -122,16 +127,18 @@ class StoredScheduleQueries:
             writes, removes = change(live, now)
             inserts, updates = [], []
             for w in writes:
-                # Columns added after the change callers were written may be left out: None (unset).
-                values = {k: w[k] if k in w or k not in OPTIONAL else None for k in DEFINITION}
-                values.update(version=version, changed_at=now, deleted=False, next_at=next_fire(w, now))
+                # Columns added after a change caller was written may be left out: None (unset).
+                values = {k: w.get(k) for k in DEFINITION}
+                # A tombstone coming back to life is a new schedule: its creation time is now.
+                live_row = live.get(w["name"])
+                values["created_at"] = live_row.created_at if live_row is not None else now
+                nxt = next_fire(values, now)
+                values.update(version=version, changed_at=now, deleted=False, next_at=nxt,
+                              ended_at=now if nxt is None and values["enabled"] else None)
                 if w["name"] in found:
-                    # A tombstone coming back to life is a new schedule: its creation time is now.
-                    live_row = live.get(w["name"])
-                    values["created_at"] = live_row.created_at if live_row is not None else now
                     updates.append(values)
                 else:
-                    inserts.append(dict(values, created_at=now))
+                    inserts.append(values)
             for part in chunks(inserts, _BATCH):
                 conn.execute(sa.insert(t), list(part))
             if len(inserts) >= _BULK:
@@ -234,8 +241,10 @@ class StoredScheduleQueries:
             sa.select(sa.func.count()).select_from(t).where(t.c.deleted == sa.false())).scalar_one(), write=False))
 
     @database_errors
-    def stored_set_next(self, items: Sequence[Tuple[str, int, datetime]], *, term: Optional[int] = None) -> int:
-        """Record ``(name, version, next occurrence)`` of schedules the leader stops holding in memory.
+    def stored_set_next(self, items: Sequence[Tuple[str, int, Optional[datetime]]], *,
+                        term: Optional[int] = None) -> int:
+        """Record ``(name, version, next occurrence)`` of schedules the leader stops holding in memory
+        (None: the schedule has ended: ``next_at`` NULL, ``ended_at`` now).
 
         Conditional on the version it loaded: a definition changed meanwhile keeps the
         next occurrence its change computed (the leader learns of it from the change feed).
@@ -249,10 +258,13 @@ class StoredScheduleQueries:
             return 0
         t = stored_schedules_table
         nxt = sa.bindparam("b_next")
-        stmt = (sa.update(t).where(t.c.name == sa.bindparam("b_name"), t.c.version == sa.bindparam("b_version"),
-                                   sa.or_(t.c.next_at.is_(None), t.c.next_at <= nxt))
-                .values(next_at=nxt))
-        rows = [{"b_name": n, "b_version": v, "b_next": at} for n, v, at in sorted(items)]
+        same = (t.c.name == sa.bindparam("b_name"), t.c.version == sa.bindparam("b_version"))
+        stmt = sa.update(t).where(*same, sa.or_(t.c.next_at.is_(None), t.c.next_at <= nxt)).values(next_at=nxt)
+        rows = [{"b_name": n, "b_version": v, "b_next": at} for n, v, at in sorted(items, key=lambda i: i[:2])
+                if at is not None]
+        # No further occurrence (a one-off that fired, a bound passed): ended, whichever leader says
+        # so (the rule decides, not the leader), and never loaded again; kept as history.
+        ended = [{"b_name": n, "b_version": v} for n, v, at in sorted(items, key=lambda i: i[:2]) if at is None]
 
         def work(conn: Connection) -> int:
             self._fence(conn, term)  # first: the leader row's lock orders it with every fenced write
@@ -260,6 +272,11 @@ class StoredScheduleQueries:
             for part in chunks(rows, _BATCH):
                 result = conn.execute(stmt, list(part))
                 done += max(result.rowcount or 0, 0)
+            if ended:
+                end = sa.update(t).where(*same, t.c.ended_at.is_(None)).values(next_at=None, ended_at=self._now(conn))
+                for part in chunks(ended, _BATCH):
+                    result = conn.execute(end, list(part))
+                    done += max(result.rowcount or 0, 0)
             return done
 
         return int(self._run(work))

@@ -96,7 +96,7 @@ def test_control_rows_built_by_position_still_read_right():
 
 def test_a_version_4_store_is_migrated_by_the_first_beat_and_keeps_working(db_url, raw):
     """Built as release 4 left it: the tables without the two columns, stamped 4, with a node and a
-    paused schedule. Opening it as beat does (prepare) adds both, keeps the rows, stamps 5."""
+    paused schedule. Opening it as beat does (prepare) adds both, keeps the rows, stamps the current version."""
     with raw.begin() as conn:
         metadata.create_all(conn)
     for table, column in ((nodes_table, "stopped_at"), (controls_table, "paused_note")):

@@ -1,0 +1,83 @@
+"""The stored-schedule API with one-offs and bounds, on each real database: at() stores as text
+and reads back, start_at / end_at / max_runs are columns the record exposes, bad bounds are refused
+naming the schedule, the field and the reason, a one-off in the past is refused (it would end at
+once, unseen), add_many takes one-offs in bulk, and an update may end a schedule."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from celery import Celery
+
+from celery_cluster_beat import ConfigError, at, every
+from celery_cluster_beat.dynamic import StoredSchedules
+
+UTC = timezone.utc
+
+
+@pytest.fixture
+def schedules(db_url):
+    app = Celery("boundsapi", set_as_current=False)
+    app.conf.update(cluster_beat_db_url=db_url, cluster_beat_redis_url="", timezone="Europe/Paris")
+    api = StoredSchedules(app)
+    yield api
+    api.close()
+
+
+def _soon(seconds: float = 3600) -> datetime:
+    return datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=seconds)
+
+
+def test_a_one_off_is_stored_as_its_instant_and_its_next_at_is_that_instant(schedules):
+    when = _soon()
+    s = schedules.add("once", "t.x", at(when))
+    assert (s.schedule, s.zone, s.next_at, s.ended_at) == (f"at {when:%Y-%m-%dT%H:%M:%S}Z", None, when, None)
+    wall = schedules.add("wall", "t.x", at(when.replace(tzinfo=None) + timedelta(days=1)))  # the app's zone
+    assert wall.zone == "Europe/Paris" and wall.schedule.startswith("at ") and not wall.schedule.endswith("Z")
+
+
+def test_bounds_are_columns_the_record_exposes(schedules):
+    start, end = _soon(120).replace(second=0), _soon(7200)
+    s = schedules.add("bounded", "t.x", every(60), start_at=start.isoformat(), end_at=end, max_runs=5)
+    assert (s.start_at, s.end_at, s.max_runs) == (start, end, 5)
+    assert s.next_at == start  # the first instant at or after start_at
+    s = schedules.update("bounded", max_runs=None, end_at=None)
+    assert (s.start_at, s.end_at, s.max_runs) == (start, None, None)
+
+
+@pytest.mark.parametrize("kwargs, field, reason", [
+    (dict(start_at="2030-01-01T00:00:00"), "start_at", "naive datetime"),
+    (dict(end_at=datetime(2030, 1, 1)), "end_at", "naive datetime"),
+    (dict(start_at="soon"), "start_at", "not an ISO-8601"),
+    (dict(max_runs=0), "max_runs", "less than 1"),
+    (dict(max_runs="3"), "max_runs", "expected a whole number"),
+    (dict(start_at="2031-01-01T00:00:00Z", end_at="2030-01-01T00:00:00Z"), "end_at", "is before start_at"),
+    (dict(end_at="2001-01-01T00:00:00Z"), "end_at", "has passed"),
+])
+def test_bad_bounds_name_the_schedule_the_field_and_the_reason(schedules, kwargs, field, reason):
+    with pytest.raises(ConfigError) as info:
+        schedules.add("bad", "t.x", every(60), **kwargs)
+    assert str(info.value).startswith(f"stored schedule 'bad': {field}: ") and reason in str(info.value), info.value
+    assert schedules.get("bad") is None
+
+
+def test_a_one_off_in_the_past_is_refused_rather_than_ended_unseen(schedules):
+    with pytest.raises(ConfigError, match=r"stored schedule 'late': schedule: no occurrence after now .* would "
+                                          r"never fire"):
+        schedules.add("late", "t.x", at("2001-01-01T00:00:00Z"))
+
+
+def test_add_many_takes_one_offs_in_bulk(schedules):
+    base = _soon()
+    count = schedules.add_many({"name": f"o:{i}", "task": "t.x", "schedule": at(base + timedelta(seconds=i))}
+                               for i in range(300))
+    assert count == 300
+    assert schedules.get("o:299").next_at == base + timedelta(seconds=299)
+
+
+def test_an_update_that_leaves_no_occurrence_ends_the_schedule_and_a_later_one_revives_it(schedules):
+    schedules.add("s", "t.x", every(60))
+    ended = schedules.update("s", end_at=datetime.now(UTC) - timedelta(seconds=1))
+    assert ended.next_at is None and ended.ended_at is not None
+    again = schedules.update("s", end_at=None)
+    assert again.next_at is not None and again.ended_at is None

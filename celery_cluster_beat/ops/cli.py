@@ -322,3 +322,5 @@ def prune(ctx: click.Context, older_than: Optional[str], as_json: bool) -> None:
 
 from .adopt import adopt_store  # noqa: E402  (the command after a rebuilt claim store: ops/adopt.py)
 cluster_beat.add_command(adopt_store)
+from .importcmd import import_group  # noqa: E402  (switching from django-celery-beat or RedBeat: ops/importcmd.py)
+cluster_beat.add_command(import_group)

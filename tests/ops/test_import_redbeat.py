@@ -7,7 +7,7 @@ key prefix of the test's own; the command reads its hashes and sorted set withou
 * crontabs become cron text in the app's zone (RedBeat's crontab has none), intervals ``every``
   on the epoch grid, args / kwargs / options kept, a disabled entry stays disabled;
 * an rrule and a Friday-the-13th crontab are refused by name; a static entry (from RedBeat's
-  ``beat_schedule``) is skipped; an oversized definition written past RedBeat is refused unread;
+  ``beat_schedule``) is skipped; an oversized definition or a key that is not a hash, written past RedBeat, is refused unread;
 * a second run is all ``unchanged``; a password is never printed.
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def test_redbeat_entries_are_imported_and_a_second_run_changes_nothing(app, redb
     client = redis.Redis.from_url(redis_url)
     client.sadd(redis_prefix + ":statics", "static-one")
     client.hset(redis_prefix + "huge", "definition", "x" * 300_000)  # written past RedBeat
-    client.zadd(redis_prefix + ":schedule", {redis_prefix + "huge": 0})
+    client.set(redis_prefix + "plain", "not a hash")
+    client.zadd(redis_prefix + ":schedule", {redis_prefix + "huge": 0, redis_prefix + "plain": 0})
     client.close()
 
     r = cli(app, "import", "redbeat", "--redis", redis_url, "--key-prefix", redis_prefix, "--json")
@@ -71,6 +72,7 @@ def test_redbeat_entries_are_imported_and_a_second_run_changes_nothing(app, redb
     assert "rrule" in seen["minutely"]["reason"] and seen["minutely"]["status"] == "refused"
     assert seen["static-one"]["status"] == "skipped" and "beat_schedule" in seen["static-one"]["reason"]
     assert seen["huge"]["status"] == "refused" and "300000 bytes" in seen["huge"]["reason"]
+    assert seen["plain"]["status"] == "refused" and "not a hash" in seen["plain"]["reason"]
 
     rows = stored(app)
     weekday = rows["weekday"]

@@ -55,12 +55,11 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def _expected_rule(app: Any, schedule: Any):
+def _expected_rule(schedule: Any):
     """``(text, zone)`` the API stores for *schedule*; zone None: the app's zone or none, either."""
     from ...schedules.text import schedule_text
 
-    text, zone = schedule_text(schedule)
-    return text, zone
+    return schedule_text(schedule)
 
 
 def differences(app: Any, record: Any, api: Dict[str, Any]) -> List[str]:
@@ -70,7 +69,7 @@ def differences(app: Any, record: Any, api: Dict[str, Any]) -> List[str]:
 
     diff = []
     try:
-        text, zone = _expected_rule(app, api["schedule"])
+        text, zone = _expected_rule(api["schedule"])
     except Exception:  # a rule with no text form cannot equal a stored one
         text, zone = None, None
     if record.schedule != text:
@@ -155,7 +154,7 @@ def run(app: Any, planned: Sequence[Planned], *, dry_run: bool, update: bool) ->
 def _update(app: Any, schedules: Any, spec: Dict[str, Any]) -> None:
     fields = dict(spec)
     name = fields.pop("name")
-    _, zone = _expected_rule(app, fields["schedule"])
+    _, zone = _expected_rule(fields["schedule"])
     fields["tz"] = zone  # the rule's own zone, or the app's: never the replaced schedule's
     if bounds.supported():
         for key in bounds.BOUND_FIELDS:

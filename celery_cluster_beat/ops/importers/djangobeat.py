@@ -16,7 +16,7 @@ Naive datetimes are UTC (Django's ``USE_TZ``, on by default, stores UTC).
 from __future__ import annotations
 
 import os
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Dict, List, Mapping, Optional
 
 from ...errors import ConfigError
@@ -99,7 +99,7 @@ def read(url: str) -> List[Planned]:
     finally:
         engine.dispose()
     by_id = {kind: {r.get("id"): r for r in rows.get(kind, [])} for kind in TABLES if kind != "task"}
-    now = aware(datetime.now())
+    now = datetime.now(timezone.utc)
     return [plan_task(row, by_id, now) for row in rows["task"]]
 
 
@@ -141,14 +141,20 @@ def _kind(row: Mapping[str, Any], by_id: Mapping[str, Mapping[Any, Mapping[str, 
 
 def _what(kind: str, s: Mapping[str, Any]) -> str:
     if kind == "crontab":
-        fields = " ".join(str(s.get(k, "*")) for k in ("minute", "hour", "day_of_month", "month_of_year",
-                                                        "day_of_week"))
-        return f"crontab {fields} ({s.get('timezone') or 'app zone'})"
+        fields = " ".join(_cut(s.get(k, "*")) for k in ("minute", "hour", "day_of_month", "month_of_year",
+                                                         "day_of_week"))
+        return f"crontab {fields} ({_cut(s.get('timezone') or 'app zone')})"
     if kind == "interval":
-        return f"interval every {s.get('every')} {s.get('period')}"
+        return f"interval every {_cut(s.get('every'))} {_cut(s.get('period'))}"
     if kind == "clocked":
-        return f"clocked at {s.get('clocked_time')}"
-    return f"solar {s.get('event')} at ({s.get('latitude')}, {s.get('longitude')})"
+        return f"clocked at {_cut(s.get('clocked_time'))}"
+    return f"solar {_cut(s.get('event'))} at ({_cut(s.get('latitude'))}, {_cut(s.get('longitude'))})"
+
+
+def _cut(value: Any, limit: int = 60) -> str:
+    """A source value for a line of output: someone else's text, cut."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def plan_task(row: Mapping[str, Any], by_id: Mapping[str, Mapping[Any, Mapping[str, Any]]],

@@ -68,7 +68,8 @@ def read(url: str, prefix: str = DEFAULT_PREFIX) -> List[Planned]:
             pipe = client.pipeline(transaction=False)
             for key in batch:
                 pipe.hstrlen(key, "definition")
-            sizes = pipe.execute()
+            # A key that is not a hash (written past RedBeat) answers WRONGTYPE: that entry is refused.
+            sizes = [size if isinstance(size, int) else -1 for size in pipe.execute(raise_on_error=False)]
             pipe = client.pipeline(transaction=False)
             for key, size in zip(batch, sizes):
                 if 0 < size <= MAX_DEFINITION:
@@ -92,8 +93,9 @@ def plan_entry(key: bytes, prefix: str, text: Optional[bytes], size: int, static
     long, None when not read), or why it does not."""
     name = _name(key, prefix)
     if text is None:
-        reason = "no definition (the key has no 'definition' field)" if size == 0 else \
-            f"its definition is {size} bytes, more than the {MAX_DEFINITION} read"
+        reason = ("no definition (the key has no 'definition' field)" if size == 0 else
+                  "not a RedBeat entry (the key is not a hash)" if size < 0 else
+                  f"its definition is {size} bytes, more than the {MAX_DEFINITION} read")
         return Planned(name, "?", reason=reason)
     try:
         definition = decode(text)

@@ -210,3 +210,12 @@ def test_redbeat_definitions():
     assert "not valid JSON" in plan_entry(b"rb:x", "rb:", b"{", 1, set()).reason
     assert "more than" in plan_entry(b"rb:x", "rb:", None, 10 ** 7, set()).reason
     assert plan_entry(b"rb:n", "rb:", b'{"schedule": {}}', 16, {"n"}).skipped
+
+
+def test_the_day_check_that_guards_every_accepted_form_can_fail():
+    from celery_cluster_beat.ops.importers.mapping import _same_days
+    from celery_cluster_beat.schedules.cronexpr import parse_cron
+
+    assert not _same_days(parse_cron("0 0 13 * 5"), frozenset({13}), frozenset({5}))  # Vixie's OR: not Celery's AND
+    assert not _same_days(parse_cron("0 0 * * 1#5"), frozenset(range(22, 32)), frozenset({1}))  # 22-31 is not a #k
+    assert _same_days(parse_cron("0 0 * * 1#1"), frozenset(range(1, 8)), frozenset({1}))

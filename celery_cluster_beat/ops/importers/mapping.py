@@ -11,19 +11,22 @@ interval form here is refused with the reason, never imported with other instant
   whole weeks (1-7, 8-14, 15-21, 22-28, 29-31) become ``n#k`` weekday terms (``1-7`` and ``mon``
   is ``* * mon#1``, the first Monday), or a leading ``*/N`` term (Vixie's rule: a field starting
   with ``*`` means AND); otherwise the schedule is refused. Every result is checked day by day
-  over a 28-year calendar cycle against Celery's rule before it is accepted.
+  against Celery's rule, on each kind of month (each length, starting on each weekday), before it
+  is accepted.
 * **Intervals** become :func:`~celery_cluster_beat.every` on the epoch grid (a note, not a refusal:
   Celery counts from the last run).
 * Arguments, keyword arguments and headers are JSON read bounded (size, depth).
 """
 from __future__ import annotations
 
+import calendar
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from ...config.values import MAX_TEXT_BYTES
@@ -53,8 +56,6 @@ _PLAIN = re.compile(r"^[0-9A-Za-z*,/-]+$")
 #: Day-of-month blocks whose days are exactly the k-th occurrence of a weekday in any month.
 _WEEK_BLOCKS = {1: frozenset(range(1, 8)), 2: frozenset(range(8, 15)), 3: frozenset(range(15, 22)),
                 4: frozenset(range(22, 29)), 5: frozenset(range(29, 32))}
-_CYCLE_START = date(2024, 1, 1)  # 28 years from here hold every calendar (leap years and weekdays) of 1901-2099
-_CYCLE_DAYS = (date(2052, 1, 1) - _CYCLE_START).days
 
 
 class Refused(Exception):
@@ -207,13 +208,25 @@ def _day_matches(spec: CronSpec, day: date) -> bool:
     return spec.day_matches(day.day, weekday)
 
 
+@lru_cache(maxsize=1)
+def _month_kinds() -> Tuple[Tuple[int, int], ...]:
+    """One (year, month) of each kind of month: each length (28-31) starting on each weekday. Which
+    days a day rule picks (plain, ``L``, ``W``, ``#``) depends on nothing else of a month."""
+    found: Dict[Tuple[int, int], Tuple[int, int]] = {}
+    for year in range(2024, 2052):  # 28 years: every calendar of 1901-2099
+        for month in range(1, 13):
+            found.setdefault(calendar.monthrange(year, month), (year, month))
+    return tuple(found.values())
+
+
 def _same_days(spec: CronSpec, days: FrozenSet[int], weekdays: FrozenSet[int]) -> bool:
-    """Whether *spec* picks the same days as Celery's AND of *days* and *weekdays*, on every day of a
-    28-year calendar cycle (months aside: their sets are compared as they are)."""
-    for offset in range(_CYCLE_DAYS):
-        day = _CYCLE_START + timedelta(days=offset)
-        if _day_matches(spec, day) != (day.day in days and day.isoweekday() % 7 in weekdays):
-            return False
+    """Whether *spec* picks the same days as Celery's AND of *days* and *weekdays*, on every day of
+    every kind of month (months aside: their sets are compared as they are)."""
+    for year, month in _month_kinds():
+        for number in range(1, calendar.monthrange(year, month)[1] + 1):
+            day = date(year, month, number)
+            if _day_matches(spec, day) != (number in days and day.isoweekday() % 7 in weekdays):
+                return False
     return True
 
 

@@ -54,6 +54,7 @@ ROWS = [
     {"name": "nightly", "task": "t.record", "interval": {"every": 1, "period": "days"}},
     {"name": "exchange-job", "task": "t.record", "exchange": "reports-x", "interval": {"every": 1, "period": "hours"}},
     {"name": "bad-args", "task": "t.record", "args": '{"not": "a list"}', "interval": {"every": 1, "period": "hours"}},
+    {"name": "evil\x1b[2Jname", "task": "t.record", "interval": {"every": 1, "period": "hours"}},
     {"name": "spent-one-off", "task": "t.record", "one_off": True, "total_run_count": 1,
      "interval": {"every": 1, "period": "hours"}},
     {"name": "launch", "task": "t.record", "one_off": True, "clocked": LATER.isoformat()},
@@ -62,7 +63,8 @@ ROWS = [
 ]
 CREATED = {"weekday-report", "heartbeat", "first-monday", "paused-job"}
 REFUSED = {"friday-13th": "both day fields are restricted", "sunrise": "solar schedules are not supported",
-           "nightly": "beat_schedule", "exchange-job": "exchange", "bad-args": "expected a JSON list"}
+           "nightly": "beat_schedule", "exchange-job": "exchange", "bad-args": "expected a JSON list",
+           "evil\x1b[2Jname": "name: "}
 BOUNDED = {"launch", "bounded"}
 
 
@@ -118,6 +120,9 @@ def test_import_carries_over_what_fires_the_same_and_refuses_the_rest_by_name(dj
     assert {n for n, s in seen.items() if s["status"] == "would create"} == CREATED | (
         BOUNDED if bounds.supported() else set())
     assert stored(app) == {}  # the dry run wrote nothing
+    r = cli(app, "import", "django-celery-beat", "--db", django_db, "--dry-run")
+    assert r.returncode == 1 and len(r.stdout.strip().splitlines()) == len(ROWS) + 1
+    assert "\x1b" not in r.stdout and "evil\\x1b[2Jname" in r.stdout  # a name from the source, escaped
 
     rc, doc, _ = run_json(app, "django-celery-beat", "--db", django_db)
     assert rc == 1  # some were refused: said, and the rest imported

@@ -5,7 +5,7 @@ own)::
 
     python djangobeat_rows.py DB_URL ROWS_JSON
 
-``DB_URL``: ``sqlite:////path`` or ``postgresql+psycopg://user@host:port/db``. ``ROWS_JSON``: a list
+``DB_URL``: ``sqlite:////path``, ``postgresql+psycopg://user@host:port/db`` or ``mysql+pymysql://...``. ``ROWS_JSON``: a list
 of periodic tasks, each a dict of ``PeriodicTask`` fields plus one schedule: ``crontab`` (a dict of
 ``CrontabSchedule`` fields, ``timezone`` an IANA name), ``interval`` (``every``, ``period``),
 ``clocked`` (an ISO datetime) or ``solar`` (``event``, ``latitude``, ``longitude``); datetimes as ISO
@@ -23,7 +23,12 @@ def _databases(url: str) -> dict:
     if url.startswith("sqlite:///"):
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": url[len("sqlite:///"):]}
     parts = urlsplit(url)
-    return {"ENGINE": "django.db.backends.postgresql", "NAME": parts.path.lstrip("/"), "USER": parts.username or "",
+    if parts.scheme.startswith("mysql"):
+        import pymysql
+
+        pymysql.install_as_MySQLdb()  # Django's MySQL backend on PyMySQL (the suite's driver)
+    engine = "mysql" if parts.scheme.startswith("mysql") else "postgresql"
+    return {"ENGINE": f"django.db.backends.{engine}", "NAME": parts.path.lstrip("/"), "USER": parts.username or "",
             "PASSWORD": parts.password or "", "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
 
 

@@ -2,7 +2,7 @@
 (issue 22, item 6).
 
 The tables are made by django-celery-beat's own migrations and filled through its own models, in a
-process of their own (:mod:`djangobeat_rows`), on SQLite and on a fresh PostgreSQL database; the
+process of their own (:mod:`djangobeat_rows`), on SQLite and on fresh PostgreSQL and MariaDB databases; the
 command then reads them with no Django configured (this process never sets it up), through
 Celery's own command line, into a real claim store:
 
@@ -74,12 +74,12 @@ def make_django_db(url: str, rows) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "mysql"])
 def django_db(request, tmp_path):
-    """django-celery-beat's database: SQLite, or a fresh PostgreSQL database of the test's own."""
+    """django-celery-beat's database: SQLite, or a fresh PostgreSQL or MariaDB database of the test's own."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/django.sqlite3"
-    return request.getfixturevalue("pg_url")
+    return request.getfixturevalue("pg_url" if request.param == "postgresql" else "mysql_url")
 
 
 @pytest.fixture

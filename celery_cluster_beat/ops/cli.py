@@ -129,7 +129,7 @@ json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, 
 @click.pass_context
 @handle_preload_options
 def cluster_beat(ctx: click.Context, **kwargs: Any) -> None:
-    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, prune, check.
+    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, prune, check, import.
 
     Reads need no running beat; actions are applied by the leader within a second."""
 

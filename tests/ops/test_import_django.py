@@ -32,7 +32,7 @@ from celery_cluster_beat.dynamic import StoredSchedules
 from celery_cluster_beat.ops.importers import bounds
 from celery_cluster_beat.store import ClaimStore
 from procs import write_app
-from test_cli import cli
+from test_cli import cli, cli_process
 
 UTC = timezone.utc
 HELPER = Path(__file__).with_name("djangobeat_rows.py")
@@ -211,3 +211,13 @@ def test_bad_sources_are_one_line_without_the_password(tmp_path, app):
         assert r.returncode == 1 and "s3cret" not in r.stdout + r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr
+
+
+def test_it_is_a_cluster_beat_command_and_fails_in_a_real_process_with_one_line(tmp_path, app):
+    r = cli_process(app, "import", "--help")
+    assert r.returncode == 0 and "django-celery-beat" in r.stdout and "redbeat" in r.stdout, r.stderr
+    r = cli_process(app, "import", "django-celery-beat", "--help")
+    assert all(option in r.stdout for option in ("--db", "--dry-run", "--update", "--json"))
+    r = cli_process(app, "import", "django-celery-beat", "--db", "postgresql://importer:s3cret@127.0.0.1:1/nodb")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "s3cret" not in r.stdout + r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("error: ")] == r.stderr.strip().splitlines()

@@ -221,3 +221,14 @@ def test_it_is_a_cluster_beat_command_and_fails_in_a_real_process_with_one_line(
     r = cli_process(app, "import", "django-celery-beat", "--db", "postgresql://importer:s3cret@127.0.0.1:1/nodb")
     assert r.returncode == 1 and "Traceback" not in r.stderr and "s3cret" not in r.stdout + r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("error: ")] == r.stderr.strip().splitlines()
+
+
+def test_what_is_read_is_bounded_in_all_and_past_it_nothing_is_written(tmp_path, app, monkeypatch):
+    from celery_cluster_beat.ops.importers import mapping
+
+    url = f"sqlite:///{tmp_path}/django.sqlite3"
+    make_django_db(url, ROWS)
+    monkeypatch.setattr(mapping, "MAX_TOTAL_READ", 500)
+    r = cli(app, "import", "django-celery-beat", "--db", url)
+    assert r.returncode == 1 and "more than 500 characters of schedules to read" in r.stderr
+    assert stored(app) == {}

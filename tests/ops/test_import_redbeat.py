@@ -95,3 +95,13 @@ def test_no_redbeat_schedule_under_the_prefix_and_a_password_are_one_line(app, r
     r = cli(app, "import", "redbeat", "--redis", "redis://:s3cret@127.0.0.1:1/0", "--dry-run")
     assert r.returncode == 1 and "s3cret" not in r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+
+
+def test_redbeat_reads_are_bounded_in_all(app, redbeat_app, redis_url, redis_prefix, monkeypatch):  # noqa: F811
+    from celery_cluster_beat.ops.importers import mapping
+
+    for i in range(3):
+        save(redbeat_app, f"job-{i}", "t.record", schedule(timedelta(minutes=5)), args=["x" * 200])
+    monkeypatch.setattr(mapping, "MAX_TOTAL_READ", 500)
+    r = cli(app, "import", "redbeat", "--redis", redis_url, "--key-prefix", redis_prefix)
+    assert r.returncode == 1 and "more than 500 characters" in r.stderr and stored(app) == {}

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from ...errors import ConfigError
 from ...leader.urls import mask_url
 from .bounds import OneOff
-from .mapping import MAX_CELL, Planned, Refused, aware, crontab_rule, interval_rule, json_value, zone_of
+from .mapping import (MAX_CELL, Planned, ReadBudget, Refused, aware, crontab_rule, interval_rule, json_value,
+                      zone_of)
 
 SOURCE = "django-celery-beat"
 PREFIX = "django_celery_beat_"
@@ -59,8 +60,9 @@ def _engine(url: str) -> Any:
     return sa.create_engine(parsed, **options)
 
 
-def _select(conn: Any, table: Any) -> List[Dict[str, Any]]:
-    """At most MAX_ROWS rows of *table* by id, text cells cut at MAX_CELL by the database."""
+def _select(conn: Any, table: Any, budget: ReadBudget) -> List[Dict[str, Any]]:
+    """At most MAX_ROWS rows of *table* by id, text cells cut at MAX_CELL by the database, streamed
+    and counted against *budget*."""
     import sqlalchemy as sa
 
     sqlite = conn.dialect.name == "sqlite"
@@ -75,7 +77,12 @@ def _select(conn: Any, table: Any) -> List[Dict[str, Any]]:
     query = sa.select(*columns)
     if "id" in table.columns:
         query = query.order_by(table.columns["id"])
-    rows = [dict(r._mapping) for r in conn.execute(query.limit(MAX_ROWS + 1))]
+    rows = []
+    result = conn.execution_options(stream_results=True, yield_per=500).execute(query.limit(MAX_ROWS + 1))
+    for r in result:
+        row = dict(r._mapping)
+        budget.spend(sum(len(v) for v in row.values() if isinstance(v, str)))
+        rows.append(row)
     if len(rows) > MAX_ROWS:
         raise ConfigError(f"{table.name}: more than {MAX_ROWS} rows; nothing was imported")
     return rows
@@ -95,7 +102,8 @@ def read(url: str) -> List[Planned]:
             meta = sa.MetaData()
             found = {kind: sa.Table(PREFIX + name, meta, autoload_with=conn)
                      for kind, name in TABLES.items() if PREFIX + name in present}
-            rows = {kind: _select(conn, table) for kind, table in found.items()}
+            budget = ReadBudget(f"--db {mask_url(url)}")
+            rows = {kind: _select(conn, table, budget) for kind, table in found.items()}
     finally:
         engine.dispose()
     by_id = {kind: {r.get("id"): r for r in rows.get(kind, [])} for kind in TABLES if kind != "task"}

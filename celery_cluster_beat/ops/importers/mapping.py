@@ -31,7 +31,7 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 from ...config.values import MAX_TEXT_BYTES
 from ...dynamic.convert import json_depth_problem
-from ...errors import ScheduleError
+from ...errors import ConfigError, ScheduleError
 from ...schedules.celery_types import cron, every
 from ...schedules.cronexpr import CronSpec, parse_cron
 from ...schedules.tzwall import get_zone
@@ -56,6 +56,23 @@ _PLAIN = re.compile(r"^[0-9A-Za-z*,/-]+$")
 #: Day-of-month blocks whose days are exactly the k-th occurrence of a weekday in any month.
 _WEEK_BLOCKS = {1: frozenset(range(1, 8)), 2: frozenset(range(8, 15)), 3: frozenset(range(15, 22)),
                 4: frozenset(range(22, 29)), 5: frozenset(range(29, 32))}
+
+
+#: Most text read from one source in all (characters or bytes): each cell is bounded, and so is their sum.
+MAX_TOTAL_READ = 256 * 1024 * 1024
+
+
+class ReadBudget:
+    """What one import may read in all; past it, the import stops before anything is written."""
+
+    def __init__(self, what: str, limit: Optional[int] = None) -> None:
+        self.what, self.limit, self.used = what, MAX_TOTAL_READ if limit is None else limit, 0
+
+    def spend(self, size: int) -> None:
+        self.used += size
+        if self.used > self.limit:
+            raise ConfigError(f"{self.what}: more than {self.limit:,} characters of schedules to read; "
+                              "nothing was imported")
 
 
 class Refused(Exception):

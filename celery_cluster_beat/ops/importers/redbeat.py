@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Set
 from ...errors import ConfigError
 from ...leader.urls import mask_url
 from ...dynamic.convert import json_depth_problem
-from .mapping import Planned, Refused, crontab_rule, interval_rule, json_value
+from .mapping import Planned, ReadBudget, Refused, crontab_rule, interval_rule, json_value
 
 SOURCE = "RedBeat"
 DEFAULT_PREFIX = "redbeat:"
@@ -63,6 +63,7 @@ def read(url: str, prefix: str = DEFAULT_PREFIX) -> List[Planned]:
             keys.extend(client.zrange(schedule_key, start, start + _BATCH - 1))
         keys = sorted(set(keys))[:MAX_ENTRIES]
         planned = []
+        budget = ReadBudget(f"--redis {mask_url(url)}")
         for start in range(0, len(keys), _BATCH):
             batch = keys[start:start + _BATCH]
             pipe = client.pipeline(transaction=False)
@@ -70,6 +71,7 @@ def read(url: str, prefix: str = DEFAULT_PREFIX) -> List[Planned]:
                 pipe.hstrlen(key, "definition")
             # A key that is not a hash (written past RedBeat) answers WRONGTYPE: that entry is refused.
             sizes = [size if isinstance(size, int) else -1 for size in pipe.execute(raise_on_error=False)]
+            budget.spend(sum(size for size in sizes if 0 < size <= MAX_DEFINITION))  # before reading them
             pipe = client.pipeline(transaction=False)
             for key, size in zip(batch, sizes):
                 if 0 < size <= MAX_DEFINITION:

@@ -141,6 +141,9 @@ def test_start_time_and_expires_become_start_at_and_end_at():
     assert (planned.spec["start_at"], planned.spec["end_at"]) == (start, end)
     assert "expires" not in planned.spec["options"]  # the end bounds the schedule; noted, not sent per message
     assert any("no longer expire" in n for n in planned.notes)
+    row = _task(interval={"every": 5, "period": "minutes"}, start_time=NOW - timedelta(days=1))
+    planned = plan_task(row, _by_id(row), NOW)  # a start that has passed is no bound: importable without the API
+    assert "start_at" not in planned.spec and not bounds.uses_bounds(planned.spec)
 
 
 def test_spent_expired_and_past_one_offs():

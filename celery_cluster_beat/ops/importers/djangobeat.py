@@ -220,7 +220,7 @@ def _plan(row: Mapping[str, Any], kind: str, sched: Mapping[str, Any], what: str
     options = _options(row, end, notes)
     spec: Dict[str, Any] = {"task": row.get("task"), "schedule": rule, "args": args, "kwargs": kwargs,
                             "options": options, "description": row.get("description") or "", "enabled": enabled}
-    if start is not None:
+    if start is not None and start > now:  # a start that has passed bounds nothing any more
         spec["start_at"] = start
     if end is not None:
         spec["end_at"] = end

@@ -222,3 +222,41 @@ def test_the_day_check_that_guards_every_accepted_form_can_fail():
     assert not _same_days(parse_cron("0 0 13 * 5"), frozenset({13}), frozenset({5}))  # Vixie's OR: not Celery's AND
     assert not _same_days(parse_cron("0 0 * * 1#5"), frozenset(range(22, 32)), frozenset({1}))  # 22-31 is not a #k
     assert _same_days(parse_cron("0 0 * * 1#1"), frozenset(range(1, 8)), frozenset({1}))
+
+
+def _field(lo, hi):
+    from hypothesis import strategies as st
+
+    return st.one_of(st.just("*"), st.sets(st.integers(lo, hi), min_size=1, max_size=8).map(
+        lambda s: ",".join(map(str, sorted(s)))), st.tuples(st.integers(lo, hi), st.integers(lo, hi)).map(
+        lambda t: f"{min(t)}-{max(t)}"), st.integers(2, 9).map(lambda n: f"*/{n}"))
+
+
+def test_any_crontab_is_refused_or_imported_with_celerys_very_days_and_times():
+    """Arbitrary Celery crontabs: the import either refuses one or stores a rule with Celery's minutes,
+    hours, months and days (compared with Celery's own AND rule on every kind of month)."""
+    from hypothesis import given, settings
+
+    from celery_cluster_beat.ops.importers.mapping import _day_matches, _month_kinds
+    import calendar
+    from datetime import date
+
+    @settings(max_examples=150, deadline=None)
+    @given(minute=_field(0, 59), hour=_field(0, 23), dom=_field(1, 31), dow=_field(0, 6))
+    def check(minute, hour, dom, dow):
+        fields = dict(minute=minute, hour=hour, day_of_month=dom, day_of_week=dow)
+        try:
+            rule, _ = crontab_rule(fields, "UTC")
+        except Refused as exc:
+            assert "both day fields" in str(exc) or "never occurs" in str(exc), exc
+            return
+        celery_rule = cron.from_crontab(crontab(**fields))
+        ours, theirs = rule.spec, celery_rule.spec
+        assert (ours.minutes, ours.hours, ours.months, ours.wildcard) == (
+            theirs.minutes, theirs.hours, theirs.months, theirs.wildcard)
+        for year, month in _month_kinds():
+            for number in range(1, calendar.monthrange(year, month)[1] + 1):
+                day = date(year, month, number)
+                assert _day_matches(ours, day) == _day_matches(theirs, day), (fields, rule.expr, day)
+
+    check()

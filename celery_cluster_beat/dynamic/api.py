@@ -390,6 +390,13 @@ class StoredSchedules:
         self._change(names, change)
         return len(rows)
 
+    def validate(self, spec: Mapping[str, Any]) -> None:
+        """Check one :meth:`add_many` spec as :meth:`add_many` would (every check, the same
+        :class:`ConfigError`), writing nothing: a dry run's answer to "would this be stored?"."""
+        spec = dict(spec)
+        name = spec.pop("name", None)
+        self._definition(name, spec)
+
     def update(self, name: str, **fields: Any) -> StoredSchedule:
         """Change the given fields of a stored schedule; the rest stay. Its next occurrence is
         computed from now. :class:`UnknownSchedule` when there is none of that name.

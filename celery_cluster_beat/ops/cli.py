@@ -131,7 +131,7 @@ json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True, 
 @click.pass_context
 @handle_preload_options
 def cluster_beat(ctx: click.Context, **kwargs: Any) -> None:
-    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, backfill, prune, check.
+    """Operate celery-cluster-beat: status, schedules, history, pause / resume / run-now, backfill, prune, check, import.
 
     Reads need no running beat; actions are applied by the leader within a second."""
 
@@ -375,3 +375,5 @@ def prune(ctx: click.Context, older_than: Optional[str], as_json: bool) -> None:
 
 from .adopt import adopt_store  # noqa: E402  (the command after a rebuilt claim store: ops/adopt.py)
 cluster_beat.add_command(adopt_store)
+from .importcmd import import_group  # noqa: E402  (switching from django-celery-beat or RedBeat: ops/importcmd.py)
+cluster_beat.add_command(import_group)

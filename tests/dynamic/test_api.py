@@ -196,3 +196,16 @@ def test_an_explicit_guard_on_runs_nothing_can_observe_is_refused_unless_the_tas
         return None
 
     assert schedules.add("ledgered", "jobs.ledgered", every(60), overlap="skip").overlap == "skip"
+
+
+def test_validate_checks_a_spec_as_add_many_does_and_writes_nothing(schedules):
+    schedules.validate({"name": "v:1", "task": "reports.run", "schedule": "0 9 * * *", "args": [1]})
+    for spec, words in (({"name": "v:2", "task": "t", "schedule": "61 * * * *"}, "out of range"),
+                        ({"name": "nightly", "task": "t", "schedule": "0 9 * * *"}, "beat_schedule"),
+                        ({"name": "v:3", "task": "t", "schedule": "0 9 * * *", "options": {"exchange": "x"}},
+                         "options.exchange")):
+        with pytest.raises(ConfigError, match=words):
+            schedules.validate(spec)
+        with pytest.raises(ConfigError, match=words):
+            schedules.add_many([spec])
+    assert schedules.list() == []

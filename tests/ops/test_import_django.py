@@ -10,8 +10,9 @@ Celery's own command line, into a real claim store:
   zone (the first Monday as ``1#1``), intervals on the epoch grid, args, kwargs and the options
   django-celery-beat sends; a disabled task stays disabled;
 * what cannot be is refused by name with the reason (solar; Friday the 13th; a name of the Celery
-  config's ``beat_schedule``; an exchange outside the allow-list; broken JSON), and bounded or one-off
-  tasks need the one-off/bounds API; spent one-offs are skipped; exit status 1 while any is refused;
+  config's ``beat_schedule``; an exchange outside the allow-list; broken JSON); a clocked one-off becomes
+  ``at()``, start_time / expires become start_at / end_at; spent one-offs are skipped; exit status 1
+  while any is refused;
 * ``--dry-run`` writes nothing and says the same; a second run is all ``unchanged``; a changed
   definition is ``differs`` and left, until ``--update`` replaces it;
 * a claim database no beat prepared is exit 3 with nothing written; a password is never printed.
@@ -29,7 +30,6 @@ import sqlalchemy as sa
 from celery import Celery
 
 from celery_cluster_beat.dynamic import StoredSchedules
-from celery_cluster_beat.ops.importers import bounds
 from celery_cluster_beat.store import ClaimStore
 from procs import write_app
 from test_cli import cli, cli_process
@@ -117,8 +117,7 @@ def test_import_carries_over_what_fires_the_same_and_refuses_the_rest_by_name(dj
     rc, doc, _ = run_json(app, "django-celery-beat", "--db", django_db, "--dry-run")
     assert rc == 1 and doc["dry_run"] is True
     seen = statuses(doc)
-    assert {n for n, s in seen.items() if s["status"] == "would create"} == CREATED | (
-        BOUNDED if bounds.supported() else set())
+    assert {n for n, s in seen.items() if s["status"] == "would create"} == CREATED | BOUNDED
     assert stored(app) == {}  # the dry run wrote nothing
     r = cli(app, "import", "django-celery-beat", "--db", django_db, "--dry-run")
     assert r.returncode == 1 and len(r.stdout.strip().splitlines()) == len(ROWS) + 1
@@ -132,14 +131,11 @@ def test_import_carries_over_what_fires_the_same_and_refuses_the_rest_by_name(dj
     assert seen["sunrise"]["what"].startswith("solar sunrise")
     assert seen["spent-one-off"]["status"] == "skipped"
     for name in BOUNDED:
-        if bounds.supported():
-            assert seen[name]["status"] == "created"
-        else:
-            assert seen[name]["status"] == "refused" and seen[name]["reason"].startswith(bounds.NEEDS)
+        assert seen[name]["status"] == "created"
     assert "epoch grid" in " ".join(seen["heartbeat"]["notes"])
 
     rows = stored(app)
-    assert set(rows) == CREATED | (BOUNDED if bounds.supported() else set())
+    assert set(rows) == CREATED | BOUNDED
     report = rows["weekday-report"]
     assert (report.task, report.schedule, report.zone) == ("reports.run", "30 8 * * mon-fri", "Europe/Paris")
     assert (report.args, report.kwargs, report.description) == ([42], {"fmt": "csv"}, "weekday report")
@@ -148,9 +144,8 @@ def test_import_carries_over_what_fires_the_same_and_refuses_the_rest_by_name(dj
     assert (rows["first-monday"].schedule, rows["first-monday"].zone) == ("0 9 * * 1#1", "America/New_York")
     assert (rows["heartbeat"].schedule, rows["heartbeat"].zone) == ("every 30s", None)
     assert rows["paused-job"].enabled is False and rows["heartbeat"].enabled is True
-    if bounds.supported():
-        assert rows["launch"].max_runs in (None, 1)
-        assert rows["bounded"].start_at == LATER and rows["bounded"].end_at == LATER + timedelta(days=7)
+    assert rows["launch"].schedule.startswith("at ") and rows["launch"].max_runs is None
+    assert rows["bounded"].start_at == LATER and rows["bounded"].end_at == LATER + timedelta(days=7)
 
     # -- a second run is a no-op
     versions = {n: s.version for n, s in rows.items()}

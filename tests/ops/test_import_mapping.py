@@ -180,15 +180,14 @@ def test_solar_and_broken_rows_are_refused_by_name():
     assert "not in the database" in plan_task(row, {"interval": {}}, NOW).reason
 
 
-def test_without_the_api_a_bounded_schedule_is_refused_saying_what_it_needs():
+def test_a_one_off_spec_becomes_at_and_unset_bounds_are_left_out():
+    from celery_cluster_beat import at
+
     spec = {"task": "t", "schedule": OneOff(LATER), "end_at": LATER}
-    if bounds.supported():
-        assert bounds.missing(spec) is None
-        assert bounds.to_api(spec)["schedule"] is not None and not isinstance(bounds.to_api(spec)["schedule"], OneOff)
-    else:
-        reason = bounds.missing(spec)
-        assert reason.startswith(bounds.NEEDS) and LATER.isoformat() in reason
-    assert bounds.missing({"task": "t", "schedule": "0 9 * * *"}) is None
+    api = bounds.to_api(spec)
+    assert api["schedule"] == at(LATER) and api["end_at"] == LATER
+    assert api["schedule"].next_fire(LATER - timedelta(seconds=1)) == LATER
+    assert api["schedule"].next_fire(LATER) is None
     assert bounds.to_api({"task": "t", "schedule": "x", "start_at": None}) == {"task": "t", "schedule": "x"}
 
 

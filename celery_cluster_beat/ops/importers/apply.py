@@ -85,10 +85,9 @@ def differences(app: Any, record: Any, api: Dict[str, Any]) -> List[str]:
         diff.append("description")
     if bool(record.enabled) != bool(api.get("enabled", True)):
         diff.append("enabled")
-    if bounds.supported():
-        for key, value in bounds.recorded(record).items():
-            if value != api.get(key):
-                diff.append(key)
+    for key, value in bounds.recorded(record).items():
+        if value != api.get(key):
+            diff.append(key)
     return diff
 
 
@@ -117,9 +116,7 @@ def run(app: Any, planned: Sequence[Planned], *, dry_run: bool, update: bool) ->
                 out.reason = "its name is given twice by the source (stored schedule names are unique)"
                 continue
             seen.add(item.name)
-            out.reason = bounds.missing(item.spec)
-            if out.reason:
-                continue
+            out.reason = None
             api = bounds.to_api(item.spec)
             old = stored.get(item.name) if isinstance(item.name, str) else None
             if old is not None:
@@ -156,9 +153,8 @@ def _update(app: Any, schedules: Any, spec: Dict[str, Any]) -> None:
     name = fields.pop("name")
     _, zone = _expected_rule(fields["schedule"])
     fields["tz"] = zone  # the rule's own zone, or the app's: never the replaced schedule's
-    if bounds.supported():
-        for key in bounds.BOUND_FIELDS:
-            fields.setdefault(key, None)  # a bound the source no longer has is cleared
+    for key in bounds.BOUND_FIELDS:
+        fields.setdefault(key, None)  # a bound the source no longer has is cleared
     schedules.update(name, **fields)
 
 

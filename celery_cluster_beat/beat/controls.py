@@ -65,7 +65,7 @@ class Controls:
         self.paused.update(c.name for c in rows if c.paused)
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
-        self.backfills.wanted = backfills
+        self.backfills.reset(backfills)
         self.failures.reset()
         self.version = version
 

@@ -217,17 +217,16 @@ class SendPipeline:
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
         return [Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at
 
-    def backfill(self, entry: Entry, occurrences: Sequence[Occurrence]) -> Optional[BackfillClaim]:
-        """Claim what a backfill may send of *occurrences* (one schedule's; see
-        :mod:`..store.backfill`) and send what this node won, marked as backfill; None when this
-        node may not send. *entry* should carry no jitter: a backfill is sent at once."""
+    def backfill(self, entry: Entry, occurrences: Sequence[Occurrence], *, retention: Optional[float] = None
+                 ) -> Optional[Tuple[BackfillClaim, List[Pending], float]]:
+        """Claim what a backfill may send of *occurrences* (one schedule's; see :mod:`..store.backfill`):
+        the claim, what this node won as sends marked backfill, and the monotonic time to pass to
+        :meth:`send` with them; None when this node may not send. *entry* should carry no jitter."""
         if not occurrences or not self._still_leader():
             return None
         confirmed_at = time.monotonic()  # before the call: see claim()
-        result = self.store.claim_backfill(occurrences, term=self._term())
-        if result.won:
-            self.send([Pending(entry, occ, backfill=True) for occ in result.won], confirmed_at)
-        return result
+        result = self.store.claim_backfill(occurrences, term=self._term(), retention=retention)
+        return result, [Pending(entry, occ, backfill=True) for occ in result.won], confirmed_at
 
     # -- the one publishing path ----------------------------------------------------
     def send(self, items: Sequence[Pending], confirmed_at: Optional[float] = None) -> None:

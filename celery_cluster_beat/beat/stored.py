@@ -257,8 +257,6 @@ class StoredFollower:
             self._load_states()
         if controls.run_requests:
             controls.run_requested()
-        if controls.backfills.wanted:
-            controls.backfills.run()
         now = node.clock.now()
         if (self.horizon - now).total_seconds() <= HORIZON / 2:
             horizon = self.window_end(now)

@@ -83,12 +83,14 @@ def _entry(app: Any, name: str, source: str, store: ClaimStore) -> Entry:
     return entry_from_row(rows[0], app=app)
 
 
-def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime, limit: int) -> Plan:
-    """The dry run: read-only (ValueError for a bad range or limit, or a range over *limit*)."""
+def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime, limit: int,
+         retention: Optional[float] = None) -> Plan:
+    """The dry run: read-only (ValueError for a bad range or limit, a range over *limit*, or one
+    starting more than *retention* seconds, the claim retention, before the database's time)."""
     source = schedule_source(app, name, store)
     entry = _entry(app, name, source, store)
     now = store.db_now()
-    problem = backfill_problem(start, end, now, limit)
+    problem = backfill_problem(start, end, now, limit, retention)
     if problem:
         raise ValueError(problem)
     instants = fires_between(entry.schedule, start, end, limit)
@@ -105,11 +107,11 @@ def request(app: Any, settings: Settings, name: str, start: datetime, end: datet
     """Check the range as the dry run does, then record the request and tell the leader."""
     store = open_store(app, settings)
     try:
-        planned = plan(app, store, name, start, end, limit)
+        planned = plan(app, store, name, start, end, limit, settings.claim_retention)
     finally:
         store.close()
-    (_, recorded), _ = act_on_schedule(
-        app, settings, name, lambda st: st.request_backfill(name, start, end, limit=limit, by=by))
+    (_, recorded), _ = act_on_schedule(app, settings, name, lambda st: st.request_backfill(
+        name, start, end, limit=limit, by=by, retention=settings.claim_retention))
     return recorded, planned
 
 
@@ -131,6 +133,7 @@ def wait(app: Any, settings: Settings, request_id: str, timeout: float) -> Backf
 
 def result_dict(found: BackfillRequest) -> Dict[str, Any]:
     return {"request": found.id, "schedule": found.schedule, "from": found.from_at.isoformat(),
-            "to": found.to_at.isoformat(), "limit": found.max_count, "state": found.state,
-            "sent": found.sent, "not_sent": found.not_sent, "error": found.error,
+            "to": found.to_at.isoformat(), "limit": found.max_count, "state": found.state.value,
+            "sent": found.sent, "not_sent": found.not_sent, "failed": found.failed, "retrying": found.retrying,
+            "done_to": None if found.done_to is None else found.done_to.isoformat(), "error": found.error,
             "node": found.node, "finished_at": None if found.finished_at is None else found.finished_at.isoformat()}

@@ -237,6 +237,7 @@ class BackfillState(StrEnum):
     PENDING = "pending"  # recorded by the command; no leader has handled it yet
     DONE = "done"  # the leader claimed its occurrences and sent what it won
     REFUSED = "refused"  # the leader could not handle it (no such schedule, too many occurrences)
+    FAILED = "failed"  # the leader stopped serving it part way (the error); the counts say what went out
 
 
 backfills_table = sa.Table(
@@ -260,6 +261,12 @@ backfills_table = sa.Table(
     sa.Column("sent", sa.Integer(), nullable=True),
     sa.Column("not_sent", sa.Text(), nullable=True),
     sa.Column("error", sa.Text(), nullable=True),
+    # Progress, written after each slice the leader served (a new leader goes on from done_to):
+    # the last instant served, occurrences whose publish failed for good (JSON: reason -> count)
+    # and those still claimed when their slice ended (a publish retry, or left to the next sender).
+    sa.Column("done_to", UTCDateTime(), nullable=True),
+    sa.Column("failed", sa.Text(), nullable=True),
+    sa.Column("retrying", sa.Integer(), nullable=True),
     sa.Index("ix_cluster_beat_backfills_state", "state"),
     **_MYSQL_TABLE,
 )

@@ -103,6 +103,10 @@ def test_validation_dry_run_and_a_request_waiting_for_a_leader(tmp_path):
         assert_one_line_error(cli(app, *args, "--to", _iso(past + timedelta(minutes=30)), "--limit", "10"),
                               "holds more than 10 occurrences")
         assert_one_line_error(cli(app, "backfill", "nobody", "--from", _iso(past), "--to", _iso(past)), "nobody")
+        old = past - timedelta(days=8)  # beyond the default claim retention (7 days): its rows may be pruned
+        for dry in ((), ("--dry-run",)):
+            assert_one_line_error(cli(app, "backfill", "minutely", "--from", _iso(old), "--to",
+                                      _iso(old + timedelta(minutes=5)), *dry), "older than cluster_beat_claim_retention")
 
         dry = cli_json(app, *args, "--to", _iso(past + timedelta(minutes=2)), "--dry-run")
         assert (dry["would_send"], [o["send"] for o in dry["occurrences"]]) == (3, [True] * 3)

@@ -300,8 +300,9 @@ class BackfillQueries:
 
     @database_errors
     def backfill_keys(self, occurrences: Sequence[Occurrence]) -> set:
-        """The (schedule, instant) keys among *occurrences* whose rows a backfill claimed (reason
-        ``backfill``): the stale-claim sweep resends those with the backfill header too."""
+        """The (schedule, instant) keys among *occurrences* whose rows a backfill claimed (origin
+        ``backfill``, whatever their reason says now): the stale-claim sweep resends those with the
+        backfill header too."""
         c = claims_table
         keys = sorted({claim_key(o) for o in occurrences})
 
@@ -310,7 +311,7 @@ class BackfillQueries:
             for part in chunks(keys, 200):
                 cond = sa.or_(*(sa.and_(c.c.schedule == s, c.c.scheduled_at == at) for s, at in part))
                 out.update((s, at) for s, at in conn.execute(
-                    sa.select(c.c.schedule, c.c.scheduled_at).where(cond, c.c.reason == BACKFILL_REASON)))
+                    sa.select(c.c.schedule, c.c.scheduled_at).where(cond, c.c.origin == BACKFILL_REASON)))
             return out
 
         return self._run(read, write=False) if keys else set()
@@ -345,15 +346,20 @@ class BackfillQueries:
             shared = ClaimValues(claimed_at=now, node=self.node_id, term=term, status=ClaimStatus.CLAIMED.value,
                                  reason=BACKFILL_REASON, token=token)
             won = self._dialect.insert_claims(conn, ordered, shared)
+            first = set(won)
             rest = [o for o in ordered if claim_key(o) not in won]
             for part in chunks(rest, 500):
                 conn.execute(sa.update(c).where(
                     c.c.schedule == name, c.c.scheduled_at.in_([o.at for o in part]),
                     c.c.status.in_(REDOABLE), c.c.run_state.is_(None),
                 ).values(status=ClaimStatus.CLAIMED.value, node=self.node_id, term=term, claimed_at=now,
-                         reason=BACKFILL_REASON, op_token=token, sent_at=None))
+                         reason=BACKFILL_REASON, origin=BACKFILL_REASON, op_token=token, sent_at=None))
             if rest:
                 won |= self._dialect.keys_written(conn, token, rest)
+            inserted = [o for o in ordered if claim_key(o) in first]
+            for part in chunks(inserted, 500):  # the origin outlives the reason (a failed publish rewrites it)
+                conn.execute(sa.update(c).where(c.c.schedule == name, c.c.scheduled_at.in_([o.at for o in part]),
+                                                c.c.op_token == token).values(origin=BACKFILL_REASON))
             left = [o for o in ordered if claim_key(o) not in won]
             found: Dict[datetime, Tuple[str, Optional[str]]] = {}
             for part in chunks(left, 500):

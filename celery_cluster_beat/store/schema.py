@@ -103,6 +103,10 @@ claims_table = sa.Table(
     # The one pending "check later" copy of the message (acks_late): its id and when it is due.
     sa.Column("check_token", sa.String(32), nullable=True),
     sa.Column("check_at", UTCDateTime(), nullable=True),
+    # Version 6: why the row was claimed when that is not the schedule's own fire: ``backfill``
+    # (an operator's backfill). Kept when the reason is rewritten (a failed publish, a release),
+    # so a resend still says so and history still shows it.
+    sa.Column("origin", sa.String(16), nullable=True),
     sa.CheckConstraint(
         "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
         name="ck_cluster_beat_claims_status",
@@ -336,6 +340,7 @@ class ClaimRow:
     duplicates: int | None = None
     run_process: str | None = None
     run_attempt: int | None = None
+    origin: str | None = None  #: ``backfill`` on a backfill's rows (whatever their reason says now)
 
     @property
     def occurrence(self) -> Occurrence:
@@ -427,6 +432,7 @@ def _index(table: sa.Table, name: str) -> sa.Index:
 #: create_all makes it). Kept apart from the other version-6 steps; both lists make MIGRATIONS[5].
 _BACKFILL_AND_FAILURE_COLUMNS = [
     _add_column(stored_schedules_table, "pause_after_failures"),
+    _add_column(claims_table, "origin"),
     _add_index(_index(claims_table, "ix_cluster_beat_claims_run_state_finished_at")),
 ]
 

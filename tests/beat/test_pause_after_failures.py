@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from datetime import datetime, timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, List
 
 import pytest
@@ -207,3 +208,56 @@ def test_without_the_ledger_failures_are_read_from_the_result_backend(made, db, 
     assert paused.paused_note.endswith("ended FAILURE)")
     last_failed = [t for t, s in done.items() if s == "FAILURE"][-1]
     assert last_failed in paused.paused_note
+
+
+def test_without_the_ledger_a_stored_schedule_not_held_in_memory_is_paused_too(made, db, broker):
+    """Runs of a stored schedule that is not held in memory (due in an hour: a backfill sends two of
+    its past occurrences) fail in the result backend: what the leader needs of the schedule (N, its
+    max_run_time) was kept when they went out, so it waits for their results and pauses it."""
+    app = _app(made, db, broker)
+    app.conf.result_backend = broker
+    app.conf.beat_schedule = {}
+    name = "plain-stored-" + uuid.uuid4().hex[:8]
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add(name, "t.plain", every(3600), overlap="allow", pause_after_failures=2)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    sched.tick()
+    assert name not in sched.entries  # its next fire is past the horizon
+    start = ops.db_now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    _, request = ops.request_backfill(name, start, start + timedelta(hours=1))
+    assert _drive(sched, lambda: ops.backfill_request(request.id).state == "done", 20)
+    assert name not in sched.entries
+    assert _drive(sched, _passes(sched, 3), 15)  # the results are not known yet: the runs wait
+    for row in ops.claims(name):
+        app.backend.store_result(row.task_id, ValueError("plain failed"), "FAILURE")
+    paused = _drive(sched, _paused(ops, name), 20)
+    assert paused is not None and paused.paused_note.startswith("paused after 2 consecutive failed runs")
+
+
+def test_memory_for_the_result_backend_path_is_bounded_and_an_unobservable_setting_is_said(
+        made, db, broker, caplog, monkeypatch):
+    app = _app(made, db, broker)  # no result backend
+    app.conf.beat_schedule = {"plain": {"task": "t.plain", "schedule": every(3600), "overlap": "allow",
+                                        "pause_after_failures": 2}}
+    with caplog.at_level("WARNING", logger="celery_cluster_beat"):
+        sched = Scheduler(app, lazy=False)
+        made.append(sched)
+        sched.tick()
+    said = [r.getMessage() for r in caplog.records if "pause_after_failures cannot work" in r.getMessage()]
+    assert len(said) == 1 and "plain" in said[0] and "no result backend" in said[0], said
+    watch = sched._stored.controls.failures
+    entry = sched.entries["plain"]
+    at = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    watch.sent(entry, Occurrence("plain", at))  # unobservable: nothing is kept
+    assert not watch._waiting and not watch._watched
+    app.conf.result_backend = broker  # observable from now on
+    monkeypatch.setattr(failures, "MAX_WATCHED", 3)
+    for i in range(6):  # six schedules sent: the three sent longest ago are forgotten
+        other = replace(entry, name=f"n{i}")
+        watch.sent(other, Occurrence(other.name, at))
+    assert list(watch._watched) == ["n3", "n4", "n5"] and set(watch._waiting) == {"n3", "n4", "n5"}

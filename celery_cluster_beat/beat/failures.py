@@ -241,9 +241,14 @@ class FailureWatch:
             if not watched:
                 return
             resumed = {c.name: c.resumed_at for c in node.store.controls(list(watched))}
+            # A stored schedule's streak starts at its definition's last change (database clock): runs
+            # of an earlier schedule of that name (removed and added again, or changed) do not count.
+            stored = [n for n in watched if n not in node.static]
+            changed = {r.name: r.changed_at for r in node.store.stored_get(stored)} if stored else {}
             for name, entry in watched.items():
                 count = int(entry.pause_after_failures or 0)
-                runs = node.store.last_ended_runs(name, count, after=resumed.get(name))
+                after = max((t for t in (resumed.get(name), changed.get(name)) if t is not None), default=None)
+                runs = node.store.last_ended_runs(name, count, after=after)
                 if len(runs) == count and all(r.run_state == RunState.FAILED for r in runs):
                     self._pause(name, count, runs[0].run_error, [r.task_id for r in runs],
                                 resumed_at=resumed.get(name))

@@ -261,3 +261,27 @@ def test_memory_for_the_result_backend_path_is_bounded_and_an_unobservable_setti
         other = replace(entry, name=f"n{i}")
         watch.sent(other, Occurrence(other.name, at))
     assert list(watch._watched) == ["n3", "n4", "n5"] and set(watch._waiting) == {"n3", "n4", "n5"}
+
+
+def test_failures_of_an_earlier_schedule_of_the_same_name_do_not_count(made, db, broker):
+    """A stored schedule removed and added again (a new definition) starts its streak afresh: the
+    failed run of the earlier one does not count (the window starts at the row's change, by the
+    database's clock)."""
+    app = _app(made, db, broker)
+    app.conf.beat_schedule = {}
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add("again", "t.x", every(3600), pause_after_failures=2)
+    runs = Runs(api.store, "again")
+    runs.run(RunState.FAILED, "KeyError: 'old'")
+    api.remove("again")
+    api.add("again", "t.other", every(3600), pause_after_failures=2)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    sched.tick()
+    runs.run(RunState.FAILED, "KeyError: 'new'")  # the first failure of the new schedule
+    assert _drive(sched, _passes(sched, 4), 15)
+    assert _paused(api.store, "again")() is None
+    runs.run(RunState.FAILED, "KeyError: 'new'")  # the second: now it pauses
+    paused = _drive(sched, _paused(api.store, "again"), 15)
+    assert paused is not None and paused.paused_note == "paused after 2 consecutive failed runs (last: KeyError: 'new')"

@@ -467,11 +467,13 @@ class SendPipeline:
             items = []
             absent = sorted({occ.schedule for occ in rows if occ.schedule not in self.entries})
             found = self.resolve(absent) if absent else {}
+            backfilled = self.store.backfill_keys(rows) if rows else set()  # resent as backfill, paused or not
             for occ in rows:
                 if occ in retrying:  # our own failed publish, already queued for a retry
                     continue
                 entry = self.entries.get(occ.schedule) or found.get(occ.schedule)
-                if entry is not None and occ.schedule in self.paused:
+                backfill = (occ.schedule, occ.at) in backfilled  # an operator asked for it: a pause does not stop it
+                if entry is not None and occ.schedule in self.paused and not backfill:
                     self.store.mark_failed(occ, "the schedule was paused before this occurrence was sent",
                                            final=True)
                     continue
@@ -481,13 +483,10 @@ class SendPipeline:
                                                 "stored)" if entry is None else
                                            "the schedule was disabled before this occurrence was sent", final=True)
                     continue
-                items.append(Pending(entry, occ, resent=True))
+                items.append(Pending(entry, occ, resent=True, backfill=backfill))
             if items:
                 logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped",
                                len(items))
-                backfilled = self.store.backfill_keys([p.occ for p in items])  # their resend says so too
-                if backfilled:
-                    items = [p._replace(backfill=(p.occ.schedule, p.occ.at) in backfilled) for p in items]
                 self.send(items, confirmed_at=confirmed_at)
             if len(rows) < SWEEP_CHUNK:
                 return

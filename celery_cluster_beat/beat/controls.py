@@ -76,6 +76,7 @@ class Controls:
             if row.paused and row.name not in self.paused:
                 self.paused.add(row.name)
                 self._drop(row.name, "paused")
+                self.failures.confirm(row)  # a pause of pause_after_failures whose reply was lost
                 logger.info("cluster-beat: %s paused%s", row.name, f" by {row.paused_by}" if row.paused_by else "")
             elif not row.paused and row.name in self.paused:
                 self._resume(row.name, now)  # raises on a store error: the control is read again

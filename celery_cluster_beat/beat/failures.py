@@ -67,6 +67,15 @@ PAUSED_BY = "cluster-beat"
 MAX_WATCHED = 10000
 
 
+class _Pause(NamedTuple):
+    """A pause this node wrote, and what its signal says."""
+
+    count: int
+    last_error: Optional[str]
+    task_ids: List[str]
+    note: str
+
+
 class _Watched(NamedTuple):
     """What the result-backend path keeps of a schedule, captured when a run of it went out: it
     may not be held in memory when the run ends (a stored schedule due later)."""
@@ -133,6 +142,9 @@ class FailureWatch:
         self._watched: "OrderedDict[str, _Watched]" = OrderedDict()
         #: Names the "cannot be watched" warning named (each once; bounded).
         self._warned: Set[str] = set()
+        #: Pauses written whose outcome is not known yet (their reply was lost): name -> what the
+        #: signal says. The note identifies the pause: seen paused with it, the signal fires then, once.
+        self._unconfirmed: Dict[str, _Pause] = {}
 
     def due(self, mono: float) -> bool:
         return mono >= self.next_check
@@ -260,14 +272,33 @@ class FailureWatch:
                resumed_at: Any = ...) -> None:
         node = self.node
         note = pause_note(count, last_error)
+        # Kept until the outcome is known: a commit whose reply was lost shows later as this very
+        # pause (by cluster-beat, this note), and its signal and metric fire then (confirm()).
+        self._unconfirmed[name] = _Pause(count, last_error, list(task_ids), note)
         # With *resumed_at*: only if not resumed since the runs were read (one transaction, serialised
         # with every control change by the change counter's row lock).
         _, changed = node.store.set_paused(name, True, by=PAUSED_BY, note=note, replace_note=False,
                                            resumed_at=resumed_at)
         self._drop(name)
-        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile
+        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile; or ours, reply lost
+            for row in node.store.controls([name]):
+                self.confirm(row)
+            self._unconfirmed.pop(name, None)
             return
-        logger.warning("cluster-beat: %s %s", printable(name), note)
-        self._paused_now(name)
-        signals.paused_after_failures.send(sender=node.sender, schedule=name, failures=count,
-                                           last_error=last_error, note=note, task_ids=list(task_ids))
+        pause = self._unconfirmed.pop(name, None) or _Pause(count, last_error, list(task_ids), note)
+        self._paused_now(name)  # its confirm() finds nothing pending: the signal fires here, once
+        self._fire(name, pause)
+
+    def confirm(self, row: Any) -> None:
+        """A control row read paused: if it is a pause of this node's whose outcome it did not learn
+        (the commit's reply was lost), its signal and metric fire now, once."""
+        pending = self._unconfirmed.get(row.name)
+        if pending is None or not row.paused or row.paused_by != PAUSED_BY or row.paused_note != pending.note:
+            return
+        del self._unconfirmed[row.name]
+        self._fire(row.name, pending)
+
+    def _fire(self, name: str, pause: _Pause) -> None:
+        logger.warning("cluster-beat: %s %s", printable(name), pause.note)
+        signals.paused_after_failures.send(sender=self.node.sender, schedule=name, failures=pause.count,
+                                           last_error=pause.last_error, note=pause.note, task_ids=pause.task_ids)

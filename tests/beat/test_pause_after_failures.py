@@ -285,3 +285,49 @@ def test_failures_of_an_earlier_schedule_of_the_same_name_do_not_count(made, db,
     runs.run(RunState.FAILED, "KeyError: 'new'")  # the second: now it pauses
     paused = _drive(sched, _paused(api.store, "again"), 15)
     assert paused is not None and paused.paused_note == "paused after 2 consecutive failed runs (last: KeyError: 'new')"
+
+
+def test_a_pause_whose_reply_was_lost_still_fires_the_signal_and_metric_once(made, db, broker):
+    """The pause commits but its reply is lost (the store raises after the commit): the pause shows
+    later, by cluster-beat with its note, and the signal and the metric fire then, once."""
+    from celery_cluster_beat.store import StoreUnavailable
+
+    app = _app(made, db, broker)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    metrics = ClusterBeatMetrics(sender=sched).connect()
+    made.append(metrics)
+    fired: List[dict] = []
+
+    def receiver(sender=None, **kw):
+        if sender is sched:
+            fired.append(kw)
+
+    signals.paused_after_failures.connect(receiver, weak=False)
+    try:
+        sched.tick()
+        store = sched._node.store
+        real = store.set_paused
+        lost: List[str] = []
+
+        def set_paused(name, paused, **kw):
+            result = real(name, paused, **kw)
+            if not lost:
+                lost.append(name)
+                raise StoreUnavailable("the reply was lost (committed)")
+            return result
+
+        store.set_paused = set_paused
+        ops = ClaimStore(db, node_id="ops")
+        ops.open()
+        made.append(ops)
+        runs = Runs(ops, "flaky")
+        for _ in range(3):
+            runs.run(RunState.FAILED, "ValueError: lost")
+        assert _drive(sched, lambda: "flaky" in sched._stored.controls.paused, 20)
+        assert _drive(sched, _passes(sched, 3), 15)
+        assert lost == ["flaky"]
+        assert [(f["schedule"], f["failures"], f["last_error"]) for f in fired] == [("flaky", 3, "ValueError: lost")]
+        assert b"cluster_beat_paused_after_failures_total 1.0" in metrics.exposition()
+    finally:
+        signals.paused_after_failures.disconnect(receiver)

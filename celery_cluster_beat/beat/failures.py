@@ -133,6 +133,8 @@ class FailureWatch:
     def reset(self) -> None:
         """This node starts scheduling: look back :data:`LOOKBACK`; nothing of before is kept."""
         self._since: Optional[datetime] = None
+        #: (finished_at, schedule, instant) of the last row of a full page: the next pass reads on from it.
+        self._page: Optional[Tuple[datetime, str, datetime]] = None
         self._seen: Dict[Tuple[str, datetime], datetime] = {}
         #: Result backend: name -> (task id, monotonic time sent) of runs sent, their end not known yet.
         self._waiting: Dict[str, Deque[Tuple[str, float]]] = {}
@@ -218,8 +220,12 @@ class FailureWatch:
         self.next_check = time.monotonic() + CHECK_EVERY
         now = node.clock.now()
         since = self._since if self._since is not None else now - LOOKBACK
-        rows = node.store.failed_since(since - REREAD, limit=READ_AT_ONCE)
-        self._since = rows[-1][2] + REREAD if len(rows) == READ_AT_ONCE else max(since, now)
+        page = self._page
+        rows = node.store.failed_since(since - REREAD, limit=READ_AT_ONCE, after=page)
+        if len(rows) == READ_AT_ONCE:  # more to read: on from this row, ties of its finish time included
+            self._page = (rows[-1][2], rows[-1][0], rows[-1][1])
+        else:
+            self._page, self._since = None, max(since, now)
         floor = since - REREAD
         self._seen = {k: v for k, v in self._seen.items() if v > floor}
         names: List[str] = []
@@ -234,7 +240,7 @@ class FailureWatch:
             try:
                 self._judge(names)
             except StoreUnavailable:  # judged again on the next pass
-                self._since = since
+                self._since, self._page = since, page
                 for key in new:
                     self._seen.pop(key, None)
                 raise

@@ -54,6 +54,8 @@ class Plan:
     limit: int
     now: datetime
     items: List[Tuple[datetime, Optional[NotSent]]]
+    #: What the operator should know before sending (rows the overlap guard skipped, sent anyway).
+    warnings: Tuple[str, ...] = ()
 
     @property
     def to_send(self) -> List[datetime]:
@@ -69,7 +71,7 @@ class Plan:
     def as_dict(self) -> Dict[str, Any]:
         return {"schedule": self.name, "source": self.source, "from": self.start.isoformat(),
                 "to": self.end.isoformat(), "limit": self.limit, "dry_run": True,
-                "would_send": len(self.to_send), "not_sent": self.not_sent(),
+                "would_send": len(self.to_send), "not_sent": self.not_sent(), "warnings": list(self.warnings),
                 "occurrences": [{"scheduled_at": at.isoformat(), "send": why is None,
                                  "reason": None if why is None else why.value} for at, why in self.items]}
 
@@ -98,8 +100,22 @@ def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime,
         raise ValueError(f"the range holds more than {limit} occurrences of {name!r}: narrow it, or raise "
                          "--limit (at most 10000)")
     rows = store.backfill_rows(name, instants)
-    return Plan(name, source, start, end, limit, now,
-                [(at, verdict(*rows[at]) if at in rows else None) for at in instants])
+    items = [(at, verdict(*rows[at]) if at in rows else None) for at in instants]
+    return Plan(name, source, start, end, limit, now, items, _warnings(store, name, items, rows))
+
+
+def _warnings(store: ClaimStore, name: str, items: List[Tuple[datetime, Optional[NotSent]]],
+              rows: Dict[datetime, Any]) -> Tuple[str, ...]:
+    """Rows the overlap guard skipped (``overlap=skip``: a run was still in flight) that the backfill
+    would send: it sends without the guard, so those runs may overlap."""
+    skipped = [at for at, why in items if why is None and at in rows and rows[at][0] == "skipped"]
+    if not skipped:
+        return ()
+    overlap = [at for at, (_, reason) in store.backfill_outcomes(name, skipped).items() if reason == "overlap"]
+    if not overlap:
+        return ()
+    return (f"{len(overlap)} of the occurrences to send were skipped by the overlap guard (overlap=skip: a run "
+            "was still in flight); a backfill sends them without the guard, so their runs may overlap",)
 
 
 def request(app: Any, settings: Settings, name: str, start: datetime, end: datetime, limit: int,

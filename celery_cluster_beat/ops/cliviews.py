@@ -232,6 +232,7 @@ def backfill_plan(plan: "Plan") -> str:
             f"{when(plan.end)} UTC: {len(plan.items)} occurrence(s), {len(plan.to_send)} would be sent"
             + (f", {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else "")
             + "; nothing written")
+    head += "".join(f"\nwarning: {for_terminal(w)}" for w in plan.warnings)
     if not rows:
         return head
     return head + "\n\n" + table(("INSTANT (UTC)", "ACTION", "REASON"), rows)

@@ -151,7 +151,7 @@ def test_a_range_older_than_the_claim_retention_is_refused_by_the_command(made, 
         ops.request_backfill("minutely", now - timedelta(hours=2), now - timedelta(hours=1), retention=3600)
     assert ops.pending_backfills() == []
     _, request = ops.request_backfill("minutely", now - timedelta(minutes=30), now, retention=3600)
-    assert request.state == BackfillState.PENDING
+    assert request.state is BackfillState.PENDING and ops.backfill_request(request.id).state is BackfillState.PENDING
 
 
 def test_the_result_counts_what_was_published_and_what_failed_with_the_reason(made, db, broker):

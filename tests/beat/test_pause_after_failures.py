@@ -331,3 +331,37 @@ def test_a_pause_whose_reply_was_lost_still_fires_the_signal_and_metric_once(mad
         assert b"cluster_beat_paused_after_failures_total 1.0" in metrics.exposition()
     finally:
         signals.paused_after_failures.disconnect(receiver)
+
+
+def test_failed_runs_finished_at_the_same_instant_are_all_read_across_pages(made, db, broker, monkeypatch):
+    """Three schedules' runs failed with the same finish time and a page holds two: the next page
+    goes on from the last row read (finish time, schedule, instant), so the third is not skipped."""
+    import sqlalchemy as sa
+
+    from celery_cluster_beat.store.schema import claims_table
+
+    monkeypatch.setattr(failures, "READ_AT_ONCE", 2)
+    app = _app(made, db, broker)
+    names = ["a-one", "b-two", "c-three"]
+    app.conf.beat_schedule = {n: {"task": "t.x", "schedule": every(3600), "pause_after_failures": 1} for n in names}
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    Scheduler(app, lazy=False).close()  # prepares the store
+    for name in names:
+        Runs(ops, name).run(RunState.FAILED, f"ValueError: {name}")
+    same = ops.db_now().replace(microsecond=0)
+    engine = sa.create_engine(db)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.update(claims_table).where(claims_table.c.schedule.in_(names)).values(finished_at=same))
+    finally:
+        engine.dispose()
+    assert [r[0] for r in ops.failed_since(same - timedelta(seconds=1), limit=2)] == names[:2]
+    assert [r[0] for r in ops.failed_since(same, limit=2, after=(same, names[1], ops.claims(names[1])[0].scheduled_at))
+            ] == names[2:]
+    (ended,) = ops.last_ended_runs(names[0], 1)
+    assert type(ended.run_state) is RunState and ended.run_state is RunState.FAILED
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    assert _drive(sched, lambda: all(_paused(ops, n)() for n in names), 20)

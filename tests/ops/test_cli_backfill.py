@@ -118,3 +118,24 @@ def test_validation_dry_run_and_a_request_waiting_for_a_leader(tmp_path):
         assert (request.schedule, request.from_at, request.max_count) == ("minutely", past, 1000)
     finally:
         store.close()
+
+
+def test_the_dry_run_warns_when_it_would_send_occurrences_the_overlap_guard_skipped(tmp_path):
+    db = f"sqlite:///{tmp_path}/c.sqlite3"
+    app = write_app(tmp_path, broker="memory://", db_url=db, tasks=TASKS,
+                    schedule="{'minutely': {'task': 't.job', 'schedule': every(60), 'overlap': 'skip'}}")
+    store = ClaimStore(db, node_id="setup")
+    store.open()
+    try:
+        start = store.db_now().replace(second=0, microsecond=0) - timedelta(minutes=30)
+        store.record([Occurrence("minutely", start + timedelta(minutes=1))], status="skipped", reason="overlap")
+        store.record([Occurrence("minutely", start + timedelta(minutes=2))], status="missed", reason="catchup")
+        args = ("backfill", "minutely", "--from", _iso(start), "--to", _iso(start + timedelta(minutes=3)), "--dry-run")
+        dry = cli(app, *args)
+        assert dry.returncode == 0, dry.stderr
+        assert "warning: 1 of the occurrences to send were skipped by the overlap guard" in dry.stdout, dry.stdout
+        assert cli_json(app, *args)["warnings"] == [
+            "1 of the occurrences to send were skipped by the overlap guard (overlap=skip: a run was still in "
+            "flight); a backfill sends them without the guard, so their runs may overlap"]
+    finally:
+        store.close()

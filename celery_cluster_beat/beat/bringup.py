@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..store import ClaimStore, StoreUnavailable
+from .failures import warn_unobservable
 from .guard import OverlapGuard
 from .leadership import Leadership
 from .pipeline import SendPipeline
@@ -116,6 +117,7 @@ class Bringup:
         self.upkeep.next_housekeeping = time.monotonic() + self.upkeep.interval()
         node.guard = OverlapGuard(node.app, s, now=node.clock.now, ledger=node.store.run_states)
         node.guard.warn_about_configuration(node.entries.values())
+        warn_unobservable(node.app, node.guard, node.entries.values())  # pause_after_failures that cannot work
         node.pipeline = SendPipeline(
             store=node.store, publisher=Publisher(node.app, s.node_id), guard=node.guard, settings=s,
             entries=node.entries, report=node.report, still_leader=self.leadership.still_leader, term=node.term,

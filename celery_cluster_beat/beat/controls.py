@@ -65,7 +65,7 @@ class Controls:
         self.paused.update(c.name for c in rows if c.paused)
         self.run_requests = {c.name: (c.run_request, c.run_requested_at) for c in rows
                              if c.run_request and c.run_requested_at is not None}
-        self.backfills.wanted = backfills
+        self.backfills.reset(backfills)
         self.failures.reset()
         self.version = version
 
@@ -76,6 +76,7 @@ class Controls:
             if row.paused and row.name not in self.paused:
                 self.paused.add(row.name)
                 self._drop(row.name, "paused")
+                self.failures.confirm(row)  # a pause of pause_after_failures whose reply was lost
                 logger.info("cluster-beat: %s paused%s", row.name, f" by {row.paused_by}" if row.paused_by else "")
             elif not row.paused and row.name in self.paused:
                 self._resume(row.name, now)  # raises on a store error: the control is read again

@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from datetime import datetime, timedelta
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from celery import states as celery_states
 
 from .. import signals
 from ..base import clip
 from ..config import Entry
+from ..config.celeryconf import has_result_backend
+from ..config.observing import ignores_results
 from ..config.values import printable
 from ..schedules.occurrence import Occurrence
 from ..store import StoreUnavailable
@@ -60,6 +62,45 @@ REREAD = timedelta(seconds=30)
 READ_AT_ONCE = 500
 #: Who the pause is by.
 PAUSED_BY = "cluster-beat"
+#: Result backend: schedules whose runs are watched in memory at most (the longest unsent-to is
+#: forgotten first), and those the "cannot be watched" warning remembers having named.
+MAX_WATCHED = 10000
+
+
+class _Pause(NamedTuple):
+    """A pause this node wrote, and what its signal says."""
+
+    count: int
+    last_error: Optional[str]
+    task_ids: List[str]
+    note: str
+
+
+class _Watched(NamedTuple):
+    """What the result-backend path keeps of a schedule, captured when a run of it went out: it
+    may not be held in memory when the run ends (a stored schedule due later)."""
+
+    count: int  # pause_after_failures
+    give_up: float  # seconds after which a run whose state never shows is let go (its max_run_time)
+
+
+def unobservable(app: Any, guard: Any, entries: Iterable[Entry]) -> List[str]:
+    """Names of *entries* with ``pause_after_failures`` whose runs nothing can observe: the task does
+    not use the ledger, and the app has no result backend or the task ignores its results."""
+    backend = has_result_backend(app)
+    return sorted(e.name for e in entries if e.pause_after_failures and not guard.uses_ledger(e)
+                  and (not backend or ignores_results(app, e)))
+
+
+def warn_unobservable(app: Any, guard: Any, entries: Iterable[Entry]) -> None:
+    """The start-up warning (once, naming them) for entries whose ``pause_after_failures`` cannot work."""
+    names = unobservable(app, guard, entries)
+    if names:
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        logger.warning("cluster-beat: pause_after_failures cannot work for %s: the task does not use the ledger "
+                       "and %s, so nothing says a run failed. Use base=celery_cluster_beat.LedgerTask for the "
+                       "task, or configure result_backend (and keep its results).", shown,
+                       "the app has no result backend" if not has_result_backend(app) else "it ignores its results")
 
 
 def pause_note(count: int, last_error: Optional[str]) -> str:
@@ -92,26 +133,50 @@ class FailureWatch:
     def reset(self) -> None:
         """This node starts scheduling: look back :data:`LOOKBACK`; nothing of before is kept."""
         self._since: Optional[datetime] = None
+        #: (finished_at, schedule, instant) of the last row of a full page: the next pass reads on from it.
+        self._page: Optional[Tuple[datetime, str, datetime]] = None
         self._seen: Dict[Tuple[str, datetime], datetime] = {}
         #: Result backend: name -> (task id, monotonic time sent) of runs sent, their end not known yet.
         self._waiting: Dict[str, Deque[Tuple[str, float]]] = {}
-        #: Result backend: name -> task ids of the failed runs in a row (and the last error).
+        #: Result backend: name -> task ids of the failed runs in a row (the last N at most).
         self._streaks: Dict[str, List[str]] = {}
+        #: Result backend: name -> its setting and give-up time, as of its last run sent (most recent last).
+        self._watched: "OrderedDict[str, _Watched]" = OrderedDict()
+        #: Names the "cannot be watched" warning named (each once; bounded).
+        self._warned: Set[str] = set()
+        #: Pauses written whose outcome is not known yet (their reply was lost): name -> what the
+        #: signal says. The note identifies the pause: seen paused with it, the signal fires then, once.
+        self._unconfirmed: Dict[str, _Pause] = {}
 
     def due(self, mono: float) -> bool:
         return mono >= self.next_check
 
     def resumed(self, name: str) -> None:
         """*name* was resumed: its streak restarts."""
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
         self._streaks.pop(name, None)
         self._waiting.pop(name, None)
+        self._watched.pop(name, None)
 
     # -- the result-backend path ------------------------------------------------------
     def sent(self, entry: Entry, occ: Occurrence) -> None:
         """A run of *entry* went out (the send pipeline's hook: one attribute read for most entries)."""
-        if entry.pause_after_failures is None or self.node.guard is None or self.node.guard.uses_ledger(entry):
+        guard = self.node.guard
+        if entry.pause_after_failures is None or guard is None or guard.uses_ledger(entry):
             return
-        waiting = self._waiting.setdefault(entry.name, deque())
+        name = entry.name
+        if unobservable(self.node.app, guard, [entry]):  # nothing would ever say how it ended
+            if name not in self._warned and name not in self.node.static and len(self._warned) < MAX_WATCHED:
+                self._warned.add(name)
+                warn_unobservable(self.node.app, guard, [entry])
+            return
+        self._watched[name] = _Watched(int(entry.pause_after_failures), guard.max_run_time(entry))
+        self._watched.move_to_end(name)
+        while len(self._watched) > MAX_WATCHED:  # memory stays bounded: the longest idle goes first
+            self._drop(next(iter(self._watched)))
+        waiting = self._waiting.setdefault(name, deque())
         waiting.append((occ.task_id, time.monotonic()))
         while len(waiting) > 4 * entry.pause_after_failures + 16:  # never known: forgotten, oldest first
             waiting.popleft()
@@ -125,24 +190,28 @@ class FailureWatch:
         mono = time.monotonic()
         for name in list(self._waiting):
             waiting = self._waiting[name]
-            entry = node.entries.get(name)
+            # What was captured when its runs went out: a stored schedule may not be held now.
+            watched = self._watched.get(name)
+            if watched is None:
+                del self._waiting[name]
+                continue
             # A run whose result never shows (expired, ignored) past max_run_time is let go, unknown:
             # it neither extends nor breaks the streak, and no longer holds up the runs after it.
-            give_up = node.guard.max_run_time(entry) if entry is not None else 0.0
             while waiting and (states.get(waiting[0][0]) in celery_states.READY_STATES
-                               or mono - waiting[0][1] > give_up):
+                               or mono - waiting[0][1] > watched.give_up):
                 task_id, _ = waiting.popleft()
                 state = states.get(task_id)
                 if state == celery_states.SUCCESS:
                     self._streaks.pop(name, None)
                 elif state == celery_states.FAILURE:
-                    self._streaks.setdefault(name, []).append(task_id)
+                    streak = self._streaks.setdefault(name, [])
+                    streak.append(task_id)
+                    del streak[:-watched.count]  # the last N are all a pause needs
             if not waiting:
                 del self._waiting[name]
             streak = self._streaks.get(name)
-            if streak and entry is not None and entry.pause_after_failures and len(streak) >= \
-                    entry.pause_after_failures and name not in self._paused:
-                self._pause(name, len(streak), f"task {streak[-1]} ended FAILURE", streak[-len(streak):])
+            if streak and len(streak) >= watched.count and name not in self._paused:
+                self._pause(name, len(streak), f"task {streak[-1]} ended FAILURE", list(streak))
 
     # -- the pass -----------------------------------------------------------------------
     def check(self) -> None:
@@ -151,8 +220,12 @@ class FailureWatch:
         self.next_check = time.monotonic() + CHECK_EVERY
         now = node.clock.now()
         since = self._since if self._since is not None else now - LOOKBACK
-        rows = node.store.failed_since(since - REREAD, limit=READ_AT_ONCE)
-        self._since = rows[-1][2] + REREAD if len(rows) == READ_AT_ONCE else max(since, now)
+        page = self._page
+        rows = node.store.failed_since(since - REREAD, limit=READ_AT_ONCE, after=page)
+        if len(rows) == READ_AT_ONCE:  # more to read: on from this row, ties of its finish time included
+            self._page = (rows[-1][2], rows[-1][0], rows[-1][1])
+        else:
+            self._page, self._since = None, max(since, now)
         floor = since - REREAD
         self._seen = {k: v for k, v in self._seen.items() if v > floor}
         names: List[str] = []
@@ -167,7 +240,7 @@ class FailureWatch:
             try:
                 self._judge(names)
             except StoreUnavailable:  # judged again on the next pass
-                self._since = since
+                self._since, self._page = since, page
                 for key in new:
                     self._seen.pop(key, None)
                 raise
@@ -186,9 +259,14 @@ class FailureWatch:
             if not watched:
                 return
             resumed = {c.name: c.resumed_at for c in node.store.controls(list(watched))}
+            # A stored schedule's streak starts at its definition's last change (database clock): runs
+            # of an earlier schedule of that name (removed and added again, or changed) do not count.
+            stored = [n for n in watched if n not in node.static]
+            changed = {r.name: r.changed_at for r in node.store.stored_get(stored)} if stored else {}
             for name, entry in watched.items():
                 count = int(entry.pause_after_failures or 0)
-                runs = node.store.last_ended_runs(name, count, after=resumed.get(name))
+                after = max((t for t in (resumed.get(name), changed.get(name)) if t is not None), default=None)
+                runs = node.store.last_ended_runs(name, count, after=after)
                 if len(runs) == count and all(r.run_state == RunState.FAILED for r in runs):
                     self._pause(name, count, runs[0].run_error, [r.task_id for r in runs],
                                 resumed_at=resumed.get(name))
@@ -200,15 +278,33 @@ class FailureWatch:
                resumed_at: Any = ...) -> None:
         node = self.node
         note = pause_note(count, last_error)
+        # Kept until the outcome is known: a commit whose reply was lost shows later as this very
+        # pause (by cluster-beat, this note), and its signal and metric fire then (confirm()).
+        self._unconfirmed[name] = _Pause(count, last_error, list(task_ids), note)
         # With *resumed_at*: only if not resumed since the runs were read (one transaction, serialised
         # with every control change by the change counter's row lock).
         _, changed = node.store.set_paused(name, True, by=PAUSED_BY, note=note, replace_note=False,
                                            resumed_at=resumed_at)
-        self._streaks.pop(name, None)
-        self._waiting.pop(name, None)
-        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile
+        self._drop(name)
+        if not changed:  # an operator paused (theirs stands) or resumed it meanwhile; or ours, reply lost
+            for row in node.store.controls([name]):
+                self.confirm(row)
+            self._unconfirmed.pop(name, None)
             return
-        logger.warning("cluster-beat: %s %s", printable(name), note)
-        self._paused_now(name)
-        signals.paused_after_failures.send(sender=node.sender, schedule=name, failures=count,
-                                           last_error=last_error, note=note, task_ids=list(task_ids))
+        pause = self._unconfirmed.pop(name, None) or _Pause(count, last_error, list(task_ids), note)
+        self._paused_now(name)  # its confirm() finds nothing pending: the signal fires here, once
+        self._fire(name, pause)
+
+    def confirm(self, row: Any) -> None:
+        """A control row read paused: if it is a pause of this node's whose outcome it did not learn
+        (the commit's reply was lost), its signal and metric fire now, once."""
+        pending = self._unconfirmed.get(row.name)
+        if pending is None or not row.paused or row.paused_by != PAUSED_BY or row.paused_note != pending.note:
+            return
+        del self._unconfirmed[row.name]
+        self._fire(row.name, pending)
+
+    def _fire(self, name: str, pause: _Pause) -> None:
+        logger.warning("cluster-beat: %s %s", printable(name), pause.note)
+        signals.paused_after_failures.send(sender=self.node.sender, schedule=name, failures=pause.count,
+                                           last_error=pause.last_error, note=pause.note, task_ids=pause.task_ids)

@@ -217,17 +217,16 @@ class SendPipeline:
                 self.report(Outcome.REPLACED, occ, f"previous run {replaces[occ]} revoked")
         return [Pending(entry_of[occ], occ, catchup=occ in catchup) for occ in won], confirmed_at
 
-    def backfill(self, entry: Entry, occurrences: Sequence[Occurrence]) -> Optional[BackfillClaim]:
-        """Claim what a backfill may send of *occurrences* (one schedule's; see
-        :mod:`..store.backfill`) and send what this node won, marked as backfill; None when this
-        node may not send. *entry* should carry no jitter: a backfill is sent at once."""
+    def backfill(self, entry: Entry, occurrences: Sequence[Occurrence], *, retention: Optional[float] = None
+                 ) -> Optional[Tuple[BackfillClaim, List[Pending], float]]:
+        """Claim what a backfill may send of *occurrences* (one schedule's; see :mod:`..store.backfill`):
+        the claim, what this node won as sends marked backfill, and the monotonic time to pass to
+        :meth:`send` with them; None when this node may not send. *entry* should carry no jitter."""
         if not occurrences or not self._still_leader():
             return None
         confirmed_at = time.monotonic()  # before the call: see claim()
-        result = self.store.claim_backfill(occurrences, term=self._term())
-        if result.won:
-            self.send([Pending(entry, occ, backfill=True) for occ in result.won], confirmed_at)
-        return result
+        result = self.store.claim_backfill(occurrences, term=self._term(), retention=retention)
+        return result, [Pending(entry, occ, backfill=True) for occ in result.won], confirmed_at
 
     # -- the one publishing path ----------------------------------------------------
     def send(self, items: Sequence[Pending], confirmed_at: Optional[float] = None) -> None:
@@ -470,11 +469,13 @@ class SendPipeline:
             items = []
             absent = sorted({occ.schedule for occ in rows if occ.schedule not in self.entries})
             found = self.resolve(absent) if absent else {}
+            backfilled = self.store.backfill_keys(rows) if rows else set()  # resent as backfill, paused or not
             for occ in rows:
                 if occ in retrying:  # our own failed publish, already queued for a retry
                     continue
                 entry = self.entries.get(occ.schedule) or found.get(occ.schedule)
-                if entry is not None and occ.schedule in self.paused:
+                backfill = (occ.schedule, occ.at) in backfilled  # an operator asked for it: a pause does not stop it
+                if entry is not None and occ.schedule in self.paused and not backfill:
                     self.store.mark_failed(occ, "the schedule was paused before this occurrence was sent",
                                            final=True)
                     continue
@@ -484,13 +485,10 @@ class SendPipeline:
                                                 "stored)" if entry is None else
                                            "the schedule was disabled before this occurrence was sent", final=True)
                     continue
-                items.append(Pending(entry, occ, resent=True))
+                items.append(Pending(entry, occ, resent=True, backfill=backfill))
             if items:
                 logger.warning("cluster-beat: resending %d occurrence(s) left claimed by a node that stopped",
                                len(items))
-                backfilled = self.store.backfill_keys([p.occ for p in items])  # their resend says so too
-                if backfilled:
-                    items = [p._replace(backfill=(p.occ.schedule, p.occ.at) in backfilled) for p in items]
                 self.send(items, confirmed_at=confirmed_at)
             if len(rows) < SWEEP_CHUNK:
                 return

@@ -105,6 +105,7 @@ class Scheduler(beat.Scheduler):
         self._upkeep.failures = self._stored.controls.failures  # pause_after_failures, judged in housekeeping
         self._leadership = Leadership(node, self._stored, self._upkeep)
         self._due = DuePass(node, self._stored)
+        self._stored.controls.backfills.claim_ahead = self._due.claim_ahead
         self._prep = MessagePrep(node)
         self._bringup = Bringup(node, self._leadership, self._stored, self._upkeep)
         self._closed = False
@@ -304,6 +305,8 @@ class Scheduler(beat.Scheduler):
             backoff.guarded(node.pipeline.run_retries, "retrying sends")
         if store_ok and node.guard.has_buffered():
             backoff.guarded(self._due.run_buffered, "sending buffered runs")
+        if self._stored.controls.backfills.ready() and backoff.over():  # after what is due, never before
+            backoff.guarded(self._stored.controls.backfills.serve, "serving backfill requests")
         if store_ok and self._upkeep.prune_due():
             self._upkeep.prune()
         self._prep.run()
@@ -329,6 +332,8 @@ class Scheduler(beat.Scheduler):
             wait = max(wait, node.backoff.until - mono)
         if node.active and node.lease is not None:
             wait = min(wait, node.lease.next_renew_in())
+        if node.active and self._stored.controls.backfills.ready():
+            wait = min(wait, 0.005)  # the next slice soon (each pass spends a bounded time on it)
         if node.active and self._prep.preparing():
             wait = min(wait, 0.005)  # build the next slice soon (each tick spends PREPARE_BUDGET at most)
         return max(wait, 0.001)  # never 0: beat would spin

@@ -109,6 +109,7 @@ class StoredFollower:
                 continue
             if current is not None:
                 self._guard_forget(row.name, "changed")  # a buffered run of the old definition
+                self.controls.failures.resumed(row.name)  # a streak of the old definition ends with it
                 self._forget_message(row.name)  # built from the old definition
             if row.next_at >= self.horizon:
                 self.drop(row.name)  # its next_at in SQL is exact: the window that covers it loads it
@@ -170,6 +171,7 @@ class StoredFollower:
         node = self.node
         if gone is not None:
             self._guard_forget(name, gone)
+            self.controls.failures.resumed(name)  # removed (or paused ...): a streak kept in memory ends
             node.pipeline.forget(name, f"the schedule was {gone} before this occurrence was sent")
             node.schedule_gone(name)
         if name in node.static:
@@ -270,8 +272,6 @@ class StoredFollower:
             self._load_states()
         if controls.run_requests:
             controls.run_requested()
-        if controls.backfills.wanted:
-            controls.backfills.run()
         now = node.clock.now()
         if (self.horizon - now).total_seconds() <= HORIZON / 2:
             horizon = self.window_end(now)

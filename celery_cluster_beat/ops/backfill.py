@@ -54,6 +54,8 @@ class Plan:
     limit: int
     now: datetime
     items: List[Tuple[datetime, Optional[NotSent]]]
+    #: What the operator should know before sending (rows the overlap guard skipped, sent anyway).
+    warnings: Tuple[str, ...] = ()
 
     @property
     def to_send(self) -> List[datetime]:
@@ -69,7 +71,7 @@ class Plan:
     def as_dict(self) -> Dict[str, Any]:
         return {"schedule": self.name, "source": self.source, "from": self.start.isoformat(),
                 "to": self.end.isoformat(), "limit": self.limit, "dry_run": True,
-                "would_send": len(self.to_send), "not_sent": self.not_sent(),
+                "would_send": len(self.to_send), "not_sent": self.not_sent(), "warnings": list(self.warnings),
                 "occurrences": [{"scheduled_at": at.isoformat(), "send": why is None,
                                  "reason": None if why is None else why.value} for at, why in self.items]}
 
@@ -83,12 +85,14 @@ def _entry(app: Any, name: str, source: str, store: ClaimStore) -> Entry:
     return entry_from_row(rows[0], app=app)
 
 
-def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime, limit: int) -> Plan:
-    """The dry run: read-only (ValueError for a bad range or limit, or a range over *limit*)."""
+def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime, limit: int,
+         retention: Optional[float] = None) -> Plan:
+    """The dry run: read-only (ValueError for a bad range or limit, a range over *limit*, or one
+    starting more than *retention* seconds, the claim retention, before the database's time)."""
     source = schedule_source(app, name, store)
     entry = _entry(app, name, source, store)
     now = store.db_now()
-    problem = backfill_problem(start, end, now, limit)
+    problem = backfill_problem(start, end, now, limit, retention)
     if problem:
         raise ValueError(problem)
     instants = fires_between(entry.schedule, start, end, limit)
@@ -96,8 +100,22 @@ def plan(app: Any, store: ClaimStore, name: str, start: datetime, end: datetime,
         raise ValueError(f"the range holds more than {limit} occurrences of {name!r}: narrow it, or raise "
                          "--limit (at most 10000)")
     rows = store.backfill_rows(name, instants)
-    return Plan(name, source, start, end, limit, now,
-                [(at, verdict(*rows[at]) if at in rows else None) for at in instants])
+    items = [(at, verdict(*rows[at]) if at in rows else None) for at in instants]
+    return Plan(name, source, start, end, limit, now, items, _warnings(store, name, items, rows))
+
+
+def _warnings(store: ClaimStore, name: str, items: List[Tuple[datetime, Optional[NotSent]]],
+              rows: Dict[datetime, Any]) -> Tuple[str, ...]:
+    """Rows the overlap guard skipped (``overlap=skip``: a run was still in flight) that the backfill
+    would send: it sends without the guard, so those runs may overlap."""
+    skipped = [at for at, why in items if why is None and at in rows and rows[at][0] == "skipped"]
+    if not skipped:
+        return ()
+    overlap = [at for at, (_, reason) in store.backfill_outcomes(name, skipped).items() if reason == "overlap"]
+    if not overlap:
+        return ()
+    return (f"{len(overlap)} of the occurrences to send were skipped by the overlap guard (overlap=skip: a run "
+            "was still in flight); a backfill sends them without the guard, so their runs may overlap",)
 
 
 def request(app: Any, settings: Settings, name: str, start: datetime, end: datetime, limit: int,
@@ -105,11 +123,11 @@ def request(app: Any, settings: Settings, name: str, start: datetime, end: datet
     """Check the range as the dry run does, then record the request and tell the leader."""
     store = open_store(app, settings)
     try:
-        planned = plan(app, store, name, start, end, limit)
+        planned = plan(app, store, name, start, end, limit, settings.claim_retention)
     finally:
         store.close()
-    (_, recorded), _ = act_on_schedule(
-        app, settings, name, lambda st: st.request_backfill(name, start, end, limit=limit, by=by))
+    (_, recorded), _ = act_on_schedule(app, settings, name, lambda st: st.request_backfill(
+        name, start, end, limit=limit, by=by, retention=settings.claim_retention))
     return recorded, planned
 
 
@@ -131,6 +149,7 @@ def wait(app: Any, settings: Settings, request_id: str, timeout: float) -> Backf
 
 def result_dict(found: BackfillRequest) -> Dict[str, Any]:
     return {"request": found.id, "schedule": found.schedule, "from": found.from_at.isoformat(),
-            "to": found.to_at.isoformat(), "limit": found.max_count, "state": found.state,
-            "sent": found.sent, "not_sent": found.not_sent, "error": found.error,
+            "to": found.to_at.isoformat(), "limit": found.max_count, "state": found.state.value,
+            "sent": found.sent, "not_sent": found.not_sent, "failed": found.failed, "retrying": found.retrying,
+            "done_to": None if found.done_to is None else found.done_to.isoformat(), "error": found.error,
             "node": found.node, "finished_at": None if found.finished_at is None else found.finished_at.isoformat()}

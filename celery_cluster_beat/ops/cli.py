@@ -331,7 +331,7 @@ def backfill(ctx: click.Context, name: str, start: str, end: str, limit: int, dr
     if dry_run:
         store = report.open_store(app, settings)
         try:
-            planned = backfills.plan(app, store, name, first, last, limit)
+            planned = backfills.plan(app, store, name, first, last, limit, settings.claim_retention)
         finally:
             store.close()
         if as_json:

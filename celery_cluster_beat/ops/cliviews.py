@@ -233,6 +233,7 @@ def backfill_plan(plan: "Plan") -> str:
             f"{when(plan.end)} UTC: {len(plan.items)} occurrence(s), {len(plan.to_send)} would be sent"
             + (f", {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else "")
             + "; nothing written")
+    head += "".join(f"\nwarning: {for_terminal(w)}" for w in plan.warnings)
     if not rows:
         return head
     return head + "\n\n" + table(("INSTANT (UTC)", "ACTION", "REASON"), rows)
@@ -243,12 +244,20 @@ def backfill_result(found: "BackfillRequest", planned: int) -> str:
     from ..store.schema import BackfillState
 
     span = f"{for_terminal(found.schedule)} from {when(found.from_at)} to {when(found.to_at)} UTC"
-    if found.state == BackfillState.PENDING:
+    if found.state == BackfillState.PENDING and found.node is None:
         return (f"backfill of {span} requested (request {found.id}, {planned} occurrence(s) in the range); "
                 "no leader has served it yet: it stays pending and the leader sends it when it reads it "
                 "(is a beat running?)")
     if found.state == BackfillState.REFUSED:
         return f"backfill of {span} refused by the leader (request {found.id}): {for_terminal(found.error)}"
     left = found.not_sent or {}
-    return (f"backfill of {span} done by {for_terminal(found.node)} (request {found.id}): {found.sent} sent"
-            + (f"; not sent: {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else ""))
+    ended = "done" if found.state == BackfillState.DONE else "stopped part way"
+    if found.state == BackfillState.PENDING:  # still served (a large range goes out slice by slice)
+        ended = f"being served (up to {when(found.done_to)} UTC so far)" if found.done_to else "being served"
+    return (f"backfill of {span} {ended} by {for_terminal(found.node)} (request {found.id}): {found.sent or 0} "
+            "sent"
+            + (f"; {found.retrying} still being sent (publish retried, or left to the next sender)"
+               if found.retrying else "")
+            + "".join(f"; {n} failed to publish ({for_terminal(why)})" for why, n in sorted(found.failed.items()))
+            + (f"; not sent: {', '.join(f'{n} {why}' for why, n in sorted(left.items()))}" if left else "")
+            + (f"; stopped: {for_terminal(found.error)}" if found.state == BackfillState.FAILED and found.error else ""))

@@ -268,7 +268,7 @@ def occurrence_rows(recent: Sequence[Any], now: datetime) -> List[Dict[str, Any]
                     "late_s": late, "runtime": duration(row.runtime) if row.runtime is not None else "-",
                     "runtime_s": row.runtime, "word": word, "tone": tone, "error": first_line(error, 300),
                     "node": clip(row.node, 255), "worker": clip(worker, 255), "task_id": row.task_id,
-                    "manual": (row.reason or "").startswith("manual"), "backfill": row.reason == BACKFILL,
+                    "manual": (row.reason or "").startswith("manual"), "backfill": BACKFILL in (row.origin, row.reason),
                     "attempts": row.attempts})
     return out
 

@@ -261,4 +261,4 @@ class HistoryRow(_AsDict):
                    manual=(row.reason or "").startswith(MANUAL), reason=row.reason, node=row.node, term=row.term,
                    task_id=row.task_id, claimed_at=row.claimed_at, sent_at=row.sent_at, attempts=row.attempts,
                    run_state=row.run_state, worker=worker, started_at=row.started_at, finished_at=row.finished_at,
-                   runtime=row.runtime, error=error, duplicates=row.duplicates, backfill=row.reason == BACKFILL)
+                   runtime=row.runtime, error=error, duplicates=row.duplicates, backfill=BACKFILL in (row.origin, row.reason))

@@ -27,7 +27,7 @@ class EndedRun:
     """One run that ended, as the failure streak reads it."""
 
     scheduled_at: datetime
-    run_state: str  # succeeded or failed
+    run_state: RunState  # succeeded or failed
     finished_at: Optional[datetime]
     run_error: Optional[str]
     task_id: str
@@ -40,13 +40,22 @@ class FailureQueries:
         def _run(self, work: Callable[["Connection"], Any], *, write: bool = True) -> Any: ...
 
     @database_errors
-    def failed_since(self, since: datetime, *, limit: int = 500) -> List[Tuple[str, datetime, datetime]]:
+    def failed_since(self, since: datetime, *, limit: int = 500,
+                     after: Optional[Tuple[datetime, str, datetime]] = None) -> List[Tuple[str, datetime, datetime]]:
         """(schedule, instant, finished_at) of runs recorded ``failed`` after *since* (database clock),
-        oldest first: one indexed SELECT."""
+        oldest first by (finished_at, schedule, instant): one indexed SELECT. *after*, the
+        (finished_at, schedule, instant) of the last row of a full page, reads the next page instead
+        (runs that finished at the same time as that row included: none is skipped at a page's edge)."""
         c = claims_table
-        stmt = (sa.select(c.c.schedule, c.c.scheduled_at, c.c.finished_at)
-                .where(c.c.run_state == RunState.FAILED.value, c.c.finished_at > since)
-                .order_by(c.c.finished_at).limit(limit))
+        cond = [c.c.run_state == RunState.FAILED.value]
+        if after is None:
+            cond.append(c.c.finished_at > since)
+        else:
+            at, name, instant = after
+            cond.append(sa.or_(c.c.finished_at > at, sa.and_(c.c.finished_at == at, sa.or_(
+                c.c.schedule > name, sa.and_(c.c.schedule == name, c.c.scheduled_at > instant)))))
+        stmt = (sa.select(c.c.schedule, c.c.scheduled_at, c.c.finished_at).where(*cond)
+                .order_by(c.c.finished_at, c.c.schedule, c.c.scheduled_at).limit(limit))
         return [tuple(r) for r in self._run(lambda conn: conn.execute(stmt).all(), write=False)]
 
     @database_errors
@@ -59,4 +68,5 @@ class FailureQueries:
             cond.append(c.c.finished_at > after)
         stmt = (sa.select(c.c.scheduled_at, c.c.run_state, c.c.finished_at, c.c.run_error, c.c.task_id)
                 .where(*cond).order_by(c.c.scheduled_at.desc()).limit(count))
-        return [EndedRun(*r) for r in self._run(lambda conn: conn.execute(stmt).all(), write=False)]
+        return [EndedRun(at, RunState(state), *rest)
+                for at, state, *rest in self._run(lambda conn: conn.execute(stmt).all(), write=False)]

@@ -103,6 +103,10 @@ claims_table = sa.Table(
     # The one pending "check later" copy of the message (acks_late): its id and when it is due.
     sa.Column("check_token", sa.String(32), nullable=True),
     sa.Column("check_at", UTCDateTime(), nullable=True),
+    # Version 6: why the row was claimed when that is not the schedule's own fire: ``backfill``
+    # (an operator's backfill). Kept when the reason is rewritten (a failed publish, a release),
+    # so a resend still says so and history still shows it.
+    sa.Column("origin", sa.String(16), nullable=True),
     sa.CheckConstraint(
         "status IN (%s)" % ", ".join("'%s'" % s for s in STATUSES),
         name="ck_cluster_beat_claims_status",
@@ -244,6 +248,7 @@ class BackfillState(StrEnum):
     PENDING = "pending"  # recorded by the command; no leader has handled it yet
     DONE = "done"  # the leader claimed its occurrences and sent what it won
     REFUSED = "refused"  # the leader could not handle it (no such schedule, too many occurrences)
+    FAILED = "failed"  # the leader stopped serving it part way (the error); the counts say what went out
 
 
 backfills_table = sa.Table(
@@ -267,6 +272,12 @@ backfills_table = sa.Table(
     sa.Column("sent", sa.Integer(), nullable=True),
     sa.Column("not_sent", sa.Text(), nullable=True),
     sa.Column("error", sa.Text(), nullable=True),
+    # Progress, written after each slice the leader served (a new leader goes on from done_to):
+    # the last instant served, occurrences whose publish failed for good (JSON: reason -> count)
+    # and those still claimed when their slice ended (a publish retry, or left to the next sender).
+    sa.Column("done_to", UTCDateTime(), nullable=True),
+    sa.Column("failed", sa.Text(), nullable=True),
+    sa.Column("retrying", sa.Integer(), nullable=True),
     sa.Index("ix_cluster_beat_backfills_state", "state"),
     **_MYSQL_TABLE,
 )
@@ -336,6 +347,7 @@ class ClaimRow:
     duplicates: int | None = None
     run_process: str | None = None
     run_attempt: int | None = None
+    origin: str | None = None  #: ``backfill`` on a backfill's rows (whatever their reason says now)
 
     @property
     def occurrence(self) -> Occurrence:
@@ -427,6 +439,7 @@ def _index(table: sa.Table, name: str) -> sa.Index:
 #: create_all makes it). Kept apart from the other version-6 steps; both lists make MIGRATIONS[5].
 _BACKFILL_AND_FAILURE_COLUMNS = [
     _add_column(stored_schedules_table, "pause_after_failures"),
+    _add_column(claims_table, "origin"),
     _add_index(_index(claims_table, "ix_cluster_beat_claims_run_state_finished_at")),
 ]
 

@@ -198,3 +198,71 @@ def test_the_schedule_page_marks_backfilled_runs(made, db, broker):
     detail = schedule_detail(app, ops, "minutely")
     html = render_schedule(title="t", node="n", detail=detail)
     assert html.count(">backfill<") == 2, html
+
+
+def test_a_backfill_row_whose_reason_was_rewritten_is_still_resent_and_shown_as_backfill(made, db, broker):
+    """A failed publish (mark_failed) and a release rewrite the reason of a backfill's rows: their origin
+    stays, so the sweep's resend still carries the header and history still says backfill."""
+    from celery_cluster_beat.ops.records import HistoryRow
+
+    app = _app(made, db, broker)
+    app.conf.cluster_beat_claim_grace = 1.5
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    start = ops.db_now().replace(second=0, microsecond=0) - timedelta(minutes=30)
+    dead = ClaimStore(db, node_id="dead-leader")
+    dead.open()
+    made.append(dead)
+    occurrences = [Occurrence("minutely", start + timedelta(minutes=i)) for i in range(3)]
+    assert len(dead.claim_backfill(occurrences).won) == 3
+    assert dead.mark_failed(occurrences[0], "ConnectionError: broker down")  # retried later: still claimed
+    assert dead.mark_failed(occurrences[1], "ConnectionError: broker down", final=True)  # failed for good
+    dead.release()  # the third (and the first) handed over, reason "released by dead-leader"
+    rows = {r.scheduled_at: r for r in ops.claims("minutely")}
+    assert {rows[o.at].reason for o in occurrences} != {"backfill"}  # the reasons were rewritten
+    assert {rows[o.at].origin for o in occurrences} == {"backfill"}
+    assert HistoryRow.from_claim(rows[occurrences[1].at]).backfill  # failed: history still says backfill
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+
+    def resent() -> bool:
+        rows = {r.scheduled_at: r.status for r in ops.claims("minutely")}
+        return rows[occurrences[0].at] == "sent" and rows[occurrences[2].at] == "sent"
+
+    _run_until(sched, resent)
+    sent = [h for h in _headers(app) if h.get("cluster_beat_backfill") is True]
+    assert sorted(h["cluster_beat_scheduled_at"] for h in sent) == [utc_iso(o.at) for o in (occurrences[0],
+                                                                                         occurrences[2])]
+
+
+def test_a_paused_schedules_backfill_left_claimed_is_still_resent_by_the_sweep(made, db, broker):
+    """The operator asked for it: a backfill of a paused schedule is sent, and so is its resend when
+    its leader died before publishing (the schedule's own occurrences left claimed end failed)."""
+    app = _app(made, db, broker)
+    app.conf.cluster_beat_claim_grace = 1.5
+    ops = ClaimStore(db, node_id="ops")
+    ops.open()
+    made.append(ops)
+    ops.set_paused("minutely", True, by="alice")
+    start = ops.db_now().replace(second=0, microsecond=0) - timedelta(minutes=40)
+    dead = ClaimStore(db, node_id="dead-leader")
+    dead.open()
+    made.append(dead)
+    backfill = [Occurrence("minutely", start + timedelta(minutes=i)) for i in range(2)]
+    own = Occurrence("minutely", start + timedelta(minutes=5))
+    assert len(dead.claim_backfill(backfill).won) == 2
+    assert dead.claim([own]) == [own]
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+
+    def swept() -> bool:
+        rows = {r.scheduled_at: r.status for r in ops.claims("minutely")}
+        return all(rows[o.at] != "claimed" for o in backfill + [own])
+
+    _run_until(sched, swept)
+    rows = {r.scheduled_at: r for r in ops.claims("minutely")}
+    assert [rows[o.at].status for o in backfill] == ["sent", "sent"]
+    assert rows[own.at].status == "failed" and "paused" in rows[own.at].reason
+    sent = [h for h in _headers(app) if h.get("cluster_beat_backfill") is True]
+    assert sorted(h["cluster_beat_scheduled_at"] for h in sent) == [utc_iso(o.at) for o in backfill]

@@ -118,6 +118,7 @@ def test_a_version_5_store_is_migrated_to_6(db_url, raw):
         index.drop(conn)
     with raw.begin() as conn:
         conn.exec_driver_sql(f"ALTER TABLE {stored_schedules_table.name} DROP COLUMN pause_after_failures")
+        conn.exec_driver_sql(f"ALTER TABLE {claims_table.name} DROP COLUMN origin")
         conn.execute(meta_table.insert(), [{"key": "schema_version", "value": "5"},
                                            {"key": "cluster_id", "value": "c"}])
     store = ClaimStore(db_url, node_id="new-beat")
@@ -128,6 +129,7 @@ def test_a_version_5_store_is_migrated_to_6(db_url, raw):
                 == str(SCHEMA_VERSION) == "6"
             inspector = sa.inspect(conn)
             assert "pause_after_failures" in {c["name"] for c in inspector.get_columns(stored_schedules_table.name)}
+            assert "origin" in {c["name"] for c in inspector.get_columns(claims_table.name)}
             assert "ix_cluster_beat_claims_run_state_finished_at" in {
                 i["name"] for i in inspector.get_indexes(claims_table.name)}
             assert inspector.has_table(backfills_table.name)

@@ -138,3 +138,17 @@ def test_a_version_5_store_is_migrated_to_6(db_url, raw):
         assert len(store.pending_backfills()) == 1
     finally:
         store.close()
+
+
+def test_the_range_of_a_rule_that_ends_holds_only_its_instants():
+    """A one-off or a bounded schedule has no instant after its last: the range stops there."""
+    from celery_cluster_beat.schedules import at, bounded, every
+
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    once = at(t0 + timedelta(minutes=5))
+    assert fires_between(once, t0, t0 + timedelta(hours=1), 100) == [t0 + timedelta(minutes=5)]
+    assert fires_between(once, t0 + timedelta(minutes=6), t0 + timedelta(hours=1), 100) == []
+    capped = bounded(every(60), end_at=t0 + timedelta(minutes=3))
+    assert fires_between(capped, t0, t0 + timedelta(hours=1), 100) == [t0 + timedelta(minutes=m) for m in range(4)]
+    # one more than the limit still says "too many" for a rule that goes on
+    assert len(fires_between(every(60), t0, t0 + timedelta(hours=1), 10)) == 11

@@ -15,7 +15,7 @@ from typing import Any, Callable, List
 import pytest
 from celery import Celery
 
-from celery_cluster_beat import every, signals
+from celery_cluster_beat import cron, every, signals
 from celery_cluster_beat.beat import failures
 from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.errors import ConfigError
@@ -211,16 +211,20 @@ def test_without_the_ledger_failures_are_read_from_the_result_backend(made, db, 
 
 
 def test_without_the_ledger_a_stored_schedule_not_held_in_memory_is_paused_too(made, db, broker):
-    """Runs of a stored schedule that is not held in memory (due in an hour: a backfill sends two of
-    its past occurrences) fail in the result backend: what the leader needs of the schedule (N, its
-    max_run_time) was kept when they went out, so it waits for their results and pauses it."""
+    """Runs of a stored schedule that is not held in memory (hourly, its next fire half an hour away:
+    a backfill sends two of its past occurrences) fail in the result backend: what the leader needs
+    of the schedule (N, its max_run_time) was kept when they went out, so it waits for their results
+    and pauses it."""
     app = _app(made, db, broker)
     app.conf.result_backend = broker
     app.conf.beat_schedule = {}
     name = "plain-stored-" + uuid.uuid4().hex[:8]
     api = StoredSchedules(app)
     made.append(api)
-    api.add(name, "t.plain", every(3600), overlap="allow", pause_after_failures=2)
+    # Never within the 2-minute horizon, whatever the time of day the test runs (every(3600) was, in
+    # the two minutes before each hour).
+    minute = (datetime.now(timezone.utc).minute + 30) % 60
+    api.add(name, "t.plain", cron(f"{minute} * * * *"), overlap="allow", pause_after_failures=2)
     sched = Scheduler(app, lazy=False)
     made.append(sched)
     ops = ClaimStore(db, node_id="ops")
@@ -229,7 +233,7 @@ def test_without_the_ledger_a_stored_schedule_not_held_in_memory_is_paused_too(m
     sched.tick()
     assert name not in sched.entries  # its next fire is past the horizon
     start = ops.db_now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
-    _, request = ops.request_backfill(name, start, start + timedelta(hours=1))
+    _, request = ops.request_backfill(name, start, start + timedelta(hours=2, seconds=-1))  # two instants
     assert _drive(sched, lambda: ops.backfill_request(request.id).state == "done", 20)
     assert name not in sched.entries
     assert _drive(sched, _passes(sched, 3), 15)  # the results are not known yet: the runs wait

@@ -116,10 +116,12 @@ class Leadership:
             # seen: it does not catch up to before it existed.
             after = last.get(name, now)
             key = (entry.schedule.fires_key(), after)
-            if key in known:
-                nxt = known[key]
-            else:
-                nxt = known[key] = entry.schedule.next_fire(after)
+            try:
+                nxt = known[key] if key in known else known.setdefault(key, entry.schedule.next_fire(after))
+            except Exception as exc:  # its bounds cannot be computed (past year 9999): this entry only
+                logger.error("cluster-beat: beat_schedule entry %r is not scheduled: its next occurrence cannot "
+                             "be computed (%s: %s)", name, exc.__class__.__name__, exc)
+                continue
             if nxt is None:  # a one-off that fired, a bound passed: nothing more to schedule
                 ended.append(name)
                 continue

@@ -52,7 +52,7 @@ from ..base import MAX_NAME_LENGTH
 from ..config.settings import Settings, load_settings
 from ..config.values import MAX_TEXT_BYTES, description_problem, shown, text_problem
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
-from ..schedules.bounds import runs_problem
+from ..schedules.bounds import runs_end, runs_problem
 from ..schedules.celery_types import app_zone
 from ..schedules.instants import utcnow
 from ..schedules.rules import parse_instant
@@ -214,7 +214,16 @@ class StoredSchedules:
             self._notices = ChangeNotices(self.settings.redis.client, self.settings.cluster_name)
         self._notices.publish(version)
 
-    def _next_fire(self, row: Mapping[str, Any], now: datetime) -> Optional[datetime]:
+    def _next_fire(self, row: Dict[str, Any], now: datetime) -> Optional[datetime]:
+        """A written row's next occurrence after *now* (the database's time); sets its ``runs_end_at``:
+        where its max_runs ends, found once here so that no leader walks the count."""
+        if row.get("max_runs") is not None:
+            start = row.get("start_at") or row["created_at"]
+            try:
+                rule = parse_schedule_text(row["schedule"], row["zone"])
+                row["runs_end_at"] = runs_end(rule, start, row["max_runs"], row.get("end_at"))
+            except ScheduleError as exc:
+                raise ConfigError(f"{LABEL} {row['name']!r}: max_runs: {str(exc).replace('max_runs: ', '', 1)}") from None
         if not row["enabled"]:
             return None
         return rule_of_row(row, app=self.app).next_fire(now)
@@ -318,8 +327,11 @@ class StoredSchedules:
         passed): stored, it would end at once without a trace of why. By this host's clock; an update
         may end a schedule (end_at now, say): it is then marked ended."""
         now = utcnow()
-        if not row.get("enabled", True) or rule_of_row(dict(row, created_at=now), app=self.app).next_fire(now):
-            return
+        try:
+            if not row.get("enabled", True) or rule_of_row(dict(row, created_at=now), app=self.app).next_fire(now):
+                return
+        except ScheduleError as exc:
+            raise ConfigError(f"{LABEL} {name!r}: max_runs: {str(exc).replace('max_runs: ', '', 1)}") from None
         if row.get("end_at") is not None and row["end_at"] <= now:
             raise ConfigError(f"{LABEL} {name!r}: end_at: {row['end_at'].isoformat()} has passed: the schedule "
                               "would never fire")

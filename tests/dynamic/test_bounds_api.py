@@ -81,3 +81,19 @@ def test_an_update_that_leaves_no_occurrence_ends_the_schedule_and_a_later_one_r
     assert ended.next_at is None and ended.ended_at is not None
     again = schedules.update("s", end_at=None)
     assert again.next_at is not None and again.ended_at is None
+
+
+def test_max_runs_past_year_9999_is_refused_naming_the_field_not_an_overflow(tmp_path):
+    from celery import Celery
+    from celery_cluster_beat import cron as _cron, every as _every
+    from celery_cluster_beat.dynamic import StoredSchedules
+    from celery_cluster_beat.errors import ConfigError
+    app = Celery("ovf", set_as_current=False)
+    app.conf.update(cluster_beat_db_url=f"sqlite:///{tmp_path}/c.db", cluster_beat_redis_url="")
+    with StoredSchedules(app) as api:
+        for rule in (_every(60), _cron("0 0 29 2 *")):
+            with pytest.raises(ConfigError, match=r"'late': max_runs: .*9999"):
+                api.add("late", "t.x", rule, start_at="9999-12-30T00:00:00Z", max_runs=10_000)
+        with pytest.raises(ConfigError, match=r"'leap': max_runs: .*9999"):  # counted from the creation
+            api.add("leap", "t.x", _cron("0 0 29 2 *"), max_runs=10_000)
+        assert api.list() == []

@@ -1,0 +1,120 @@
+"""Bounds as beat meets them, from a review: a stored row written by hand with bounds past year
+9999 fails alone (its occurrence recorded ``failed`` with the reason) while a good schedule beside
+it keeps firing; stored rows with ``max_runs`` are loaded by the leader without walking their
+count (the API stored where it ends: ``runs_end_at``)."""
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from celery_cluster_beat import cron, every
+from celery_cluster_beat.beat.scheduler import Scheduler
+from celery_cluster_beat.dynamic import StoredSchedules
+from celery_cluster_beat.schedules import bounds
+from celery_cluster_beat.store import ClaimStore
+from celery_cluster_beat.store.schema import stored_schedules_table
+
+UTC = timezone.utc
+
+
+def _app(made, db, broker, schedule=None) -> Celery:
+    name = "ccb_brv_" + uuid.uuid4().hex[:8]
+    app = Celery(name, broker=broker, set_as_current=False)
+    app.conf.update(task_default_queue="q_" + name, cluster_beat_db_url=db, cluster_beat_redis_url="",
+                    cluster_beat_claim_grace=30.0, cluster_beat_node_id="node-" + name[-8:],
+                    cluster_beat_overlap="allow", beat_schedule=schedule or {})
+    made.append(app)
+    return app
+
+
+def _ops(made, db) -> ClaimStore:
+    store = ClaimStore(db, node_id="ops")
+    store.open()
+    made.append(store)
+    return store
+
+
+def _by_hand(db: str, name: str, **values) -> None:
+    """Write columns of stored row *name* past the API (as an operator's SQL would)."""
+    engine = sa.create_engine(db)
+    try:
+        with engine.begin() as conn:
+            t = stored_schedules_table
+            conn.execute(sa.update(t).where(t.c.name == name).values(**values))
+    finally:
+        engine.dispose()
+
+
+def _run(sched: Scheduler, seconds: float, until=lambda: False) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not until():
+        time.sleep(max(0.0, min(sched.tick(), 0.05, end - time.monotonic())))
+
+
+@pytest.mark.timeout(90)
+def test_a_hand_written_row_with_bounds_past_year_9999_fails_alone(made, db, broker):
+    ops = _ops(made, db)
+    app = _app(made, db, broker)
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add("good", "t.good", every(1))
+    api.add("bad-count", "t.bad", every(60))
+    api.add("bad-next", "t.bad", every(60))
+    soon = ops.db_now() + timedelta(seconds=1)
+    # max_runs whose end lies past year 9999 (and no runs_end_at: written past the API)
+    _by_hand(db, "bad-count", start_at=datetime(9999, 12, 30, tzinfo=UTC), max_runs=10_000, next_at=soon)
+    # a start whose next instant is past year 9999
+    _by_hand(db, "bad-next", start_at=datetime(9999, 12, 31, 23, 59, 30, tzinfo=UTC), next_at=soon)
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    _run(sched, 40, until=lambda: len([c for c in ops.claims("good") if c.status == "sent"]) >= 3
+         and ops.claims("bad-next"))
+    assert len([c for c in ops.claims("good") if c.status == "sent"]) >= 3
+    failed = ops.claims("bad-next")
+    assert [c.status for c in failed] == ["failed"]
+    assert "cannot be computed" in failed[0].reason
+    assert sched.tick() >= 0  # the loop goes on
+
+
+@pytest.mark.timeout(120)
+def test_stored_rows_with_max_runs_load_without_walking_their_count(made, db, broker, monkeypatch):
+    ops = _ops(made, db)
+    app = _app(made, db, broker)
+    api = StoredSchedules(app)
+    made.append(api)
+    n = 300
+    api.add_many([dict(name=f"r{i:04d}", task="t.r", schedule=cron("* * * * *"), max_runs=10_000,
+                       enabled=True) for i in range(n)])
+    rows = {r.name: r for r in ops.stored_list()}
+    assert all(r.runs_end_at is not None for r in rows.values())
+    # The 10,000th minute from each row's creation (every row created in the same transaction).
+    created = rows["r0000"].created_at
+    first = created.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    assert rows["r0000"].runs_end_at == first + timedelta(minutes=9_999)
+
+    walks = []
+    real = bounds._nth.__wrapped__
+
+    def counting(*a):
+        walks.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(bounds, "_nth", counting)
+    monkeypatch.setattr(bounds, "runs_end", lambda *a, **k: walks.append(a))
+    replicas = []
+    for _ in range(2):  # two replicas load the same rows and agree on where each ends
+        sched = Scheduler(_app(made, db, broker), lazy=False)
+        made.append(sched)
+        started = time.monotonic()
+        _run(sched, 15, until=lambda: sched._node.active)
+        sched.tick()
+        replicas.append((sched, time.monotonic() - started))
+    assert walks == []
+    for sched, _ in replicas:
+        held = {name: e.schedule.last_instant() for name, e in sched._node.entries.items() if name.startswith("r")}
+        assert held and all(held[name] == rows[name].runs_end_at for name in held)

@@ -97,3 +97,42 @@ def test_max_runs_past_year_9999_is_refused_naming_the_field_not_an_overflow(tmp
         with pytest.raises(ConfigError, match=r"'leap': max_runs: .*9999"):  # counted from the creation
             api.add("leap", "t.x", _cron("0 0 29 2 *"), max_runs=10_000)
         assert api.list() == []
+
+
+def test_add_decides_a_one_off_by_the_databases_clock_inside_the_transaction(schedules, monkeypatch):
+    """The host's clock an hour behind the database's: a one-off between the two is refused (it would
+    be stored already ended, silently), by add and add_many alike; none is written."""
+    import celery_cluster_beat.dynamic.api as api_module
+    from celery_cluster_beat.schedules.instants import utcnow as real_utcnow
+    monkeypatch.setattr(api_module, "utcnow", lambda: real_utcnow() - timedelta(hours=1))
+    store = schedules._open()
+    db_now = store.db_now()
+    between = db_now - timedelta(minutes=10)  # future for the host, past for the database
+    with pytest.raises(ConfigError, match=r"stored schedule 'skew': schedule: no occurrence after now"):
+        schedules.add("skew", "t.x", at(between))
+    with pytest.raises(ConfigError, match=r"stored schedule 'b': schedule: no occurrence after now"):
+        schedules.add_many([{"name": "a", "task": "t.x", "schedule": at(db_now + timedelta(hours=1))},
+                            {"name": "b", "task": "t.x", "schedule": at(between)}])
+    assert schedules.list() == []
+
+
+def test_the_boundary_of_add_is_the_transactions_own_now(schedules, monkeypatch):
+    """At the database's now exactly: refused; one microsecond later: stored, not ended."""
+    store = schedules._open()
+    fixed = store.db_now().replace(microsecond=0) + timedelta(seconds=30)
+    monkeypatch.setattr(type(store), "_now", lambda self, conn: fixed)
+    with pytest.raises(ConfigError, match=r"'edge': schedule: no occurrence after now"):
+        schedules.add("edge", "t.x", at(fixed))
+    s = schedules.add("edge", "t.x", at(fixed + timedelta(microseconds=1)))
+    assert s.next_at == fixed + timedelta(microseconds=1) and s.ended_at is None
+
+
+def test_a_one_off_a_few_milliseconds_ahead_is_stored_pending_or_refused_never_ended(schedules):
+    for i in range(5):
+        when = schedules._open().db_now() + timedelta(milliseconds=2)
+        try:
+            s = schedules.add(f"ms:{i}", "t.x", at(when))
+        except ConfigError as exc:
+            assert "no occurrence after now" in str(exc)
+            continue
+        assert s.next_at == when and s.ended_at is None

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional
 
 from .. import signals
 from ..config import OverlapPolicy
-from ..store import StaleTermError, StoreUnavailable
+from ..schedules.occurrence import Occurrence
+from ..store import ClaimStatus, StaleTermError, StoreUnavailable
 from .state import NodeState
 from .stored import StoredFollower
 from .timeline import Timeline
@@ -129,6 +130,7 @@ class Leadership:
         if ended:
             logger.info("cluster-beat: %d beat_schedule entr%s without a further occurrence (ended): %s",
                         len(ended), "y" if len(ended) == 1 else "ies", ", ".join(sorted(ended)[:10]))
+            self._record_late_one_offs(ended, last)
         node.queue = Timeline(fires)
         self._log_schedule(fires)
         self.stored.reset(version, horizon)
@@ -137,6 +139,35 @@ class Leadership:
         self.upkeep.prune_soon()
         node.pipeline.publisher.warm_up()
         self.upkeep.housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
+
+    def _record_late_one_offs(self, ended: List[str], last: Dict[str, datetime]) -> None:
+        """A config ``at()`` first seen after its instant (deployed late) never fires: its occurrence
+        is recorded ``missed``, saying why, never dropped silently. Like any entry it does not catch up
+        to before it existed. The claim key makes it one row whatever the replicas or restarts (an
+        occurrence that was sent keeps its row: nothing is recorded over it)."""
+        node = self.node
+        late: List[Occurrence] = []
+        for name in ended:
+            fire_at = getattr(node.entries[name].schedule, "fire_at", None)
+            if not callable(fire_at):
+                continue
+            try:
+                instant = fire_at()
+            except Exception:  # its wall time cannot be resolved: nothing to record
+                continue
+            if instant < last.get(name, instant):  # first seen (or resumed) after it: never claimed
+                late.append(Occurrence(name, instant))
+        if not late:
+            return
+        try:
+            recorded = node.store.record(late, status=ClaimStatus.MISSED, term=node.term(),
+                                         reason="at() instant passed before the entry was first registered")
+        except (StoreUnavailable, StaleTermError) as exc:
+            logger.warning("cluster-beat: cannot record %d late one-off(s) as missed yet (%s)", len(late), exc)
+            return
+        for occ in recorded:
+            logger.warning("cluster-beat: beat_schedule entry %r: its at() instant %s passed before any node "
+                           "registered it; recorded missed (never sent)", occ.schedule, occ.at.isoformat())
 
     def _bind_origins(self) -> None:
         """Give each config entry whose ``max_runs`` counts from its registration (no ``start_at``)

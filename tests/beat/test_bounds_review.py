@@ -118,3 +118,22 @@ def test_stored_rows_with_max_runs_load_without_walking_their_count(made, db, br
     for sched, _ in replicas:
         held = {name: e.schedule.last_instant() for name, e in sched._node.entries.items() if name.startswith("r")}
         assert held and all(held[name] == rows[name].runs_end_at for name in held)
+
+
+@pytest.mark.timeout(90)
+def test_a_config_one_off_first_seen_after_its_instant_is_recorded_missed_once(made, db, broker, caplog):
+    from celery_cluster_beat import at
+    ops = _ops(made, db)
+    when = ops.db_now() - timedelta(seconds=30)
+    schedule = {"late": {"task": "t.late", "schedule": at(when)}, "good": {"task": "t.good", "schedule": every(1)}}
+    for _ in range(2):  # a restart (or another replica) records nothing more
+        app = _app(made, db, broker, schedule)
+        sched = Scheduler(app, lazy=False)
+        made.append(sched)
+        with caplog.at_level("WARNING", logger="celery_cluster_beat"):
+            _run(sched, 30, until=lambda: ops.claims("late") and ops.claims("good"))
+        sched.close()
+    rows = [(c.scheduled_at, c.status) for c in ops.claims("late")]
+    assert rows == [(when, "missed")]
+    assert "before the entry was first registered" in ops.claims("late")[0].reason
+    assert len([r for r in caplog.records if "'late'" in r.getMessage() and "recorded missed" in r.getMessage()]) == 1

@@ -136,8 +136,10 @@ class StoredScheduleQueries:
                 values["created_at"] = live_row.created_at if live_row is not None else now
                 values["runs_end_at"] = None
                 nxt = next_fire(values, now)
-                values.update(version=version, changed_at=now, deleted=False, next_at=nxt,
-                              ended_at=now if nxt is None and values["enabled"] else None)
+                ended = now if nxt is None and values["enabled"] else None
+                if nxt is None and live_row is not None and live_row.ended_at is not None:
+                    ended = live_row.ended_at  # still ended: when it ended stays (only a revival clears it)
+                values.update(version=version, changed_at=now, deleted=False, next_at=nxt, ended_at=ended)
                 if w["name"] in found:
                     updates.append(values)
                 else:

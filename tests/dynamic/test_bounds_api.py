@@ -136,3 +136,14 @@ def test_a_one_off_a_few_milliseconds_ahead_is_stored_pending_or_refused_never_e
             assert "no occurrence after now" in str(exc)
             continue
         assert s.next_at == when and s.ended_at is None
+
+
+def test_an_update_of_an_ended_schedule_keeps_when_it_ended_unless_it_revives_it(schedules):
+    schedules.add("e", "t.x", every(60))
+    first = schedules.update("e", end_at=datetime.now(UTC) - timedelta(seconds=1)).ended_at
+    assert first is not None
+    for change in (dict(description="still ended"), dict(enabled=False), dict(enabled=True)):
+        again = schedules.update("e", **change)
+        assert again.next_at is None and again.ended_at == first, change
+    revived = schedules.update("e", end_at=None)
+    assert revived.next_at is not None and revived.ended_at is None

@@ -131,6 +131,7 @@ class Leadership:
             logger.info("cluster-beat: %d beat_schedule entr%s without a further occurrence (ended): %s",
                         len(ended), "y" if len(ended) == 1 else "ies", ", ".join(sorted(ended)[:10]))
             self._record_late_one_offs(ended, last)
+            self._warn_bounds_ended(ended)
         node.queue = Timeline(fires)
         self._log_schedule(fires)
         self.stored.reset(version, horizon)
@@ -168,6 +169,29 @@ class Leadership:
         for occ in recorded:
             logger.warning("cluster-beat: beat_schedule entry %r: its at() instant %s passed before any node "
                            "registered it; recorded missed (never sent)", occ.schedule, occ.at.isoformat())
+
+    def _warn_bounds_ended(self, ended: List[str]) -> None:
+        """A WARNING for each config entry its bounds have ended, naming the field and when: adding
+        ``max_runs`` to an entry that has run for long ends it at once (it counts from its first
+        registration), which must not pass as a quiet INFO line."""
+        for name in sorted(ended)[:100]:
+            rule = self.node.entries[name].schedule
+            try:
+                last = rule.last_instant() if hasattr(rule, "last_instant") else None
+            except Exception:
+                continue
+            if last is None:
+                continue
+            end_at, runs = getattr(rule, "end_at", None), getattr(rule, "max_runs", None)
+            if runs is not None and (end_at is None or last < end_at):
+                why = (f"max_runs={runs}, counted from {rule.start.isoformat()} "
+                       f"({'start_at' if rule.start_at is not None else 'its first registration'})")
+            elif end_at is not None:
+                why = "end_at"
+            else:
+                continue
+            logger.warning("cluster-beat: beat_schedule entry %r has ended by its bounds (%s): its last instant "
+                           "was %s; it does not fire again", name, why, last.isoformat())
 
     def _bind_origins(self) -> None:
         """Give each config entry whose ``max_runs`` counts from its registration (no ``start_at``)

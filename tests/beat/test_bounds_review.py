@@ -137,3 +137,20 @@ def test_a_config_one_off_first_seen_after_its_instant_is_recorded_missed_once(m
     assert rows == [(when, "missed")]
     assert "before the entry was first registered" in ops.claims("late")[0].reason
     assert len([r for r in caplog.records if "'late'" in r.getMessage() and "recorded missed" in r.getMessage()]) == 1
+
+
+@pytest.mark.timeout(90)
+def test_max_runs_added_to_an_old_config_entry_ends_it_with_a_warning(made, db, broker, caplog):
+    ops = _ops(made, db)
+    app = _app(made, db, broker, {"old": {"task": "t.old", "schedule": every(1)}})
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    _run(sched, 30, until=lambda: len(ops.claims("old")) >= 3)  # it has run a few times
+    sched.close()
+    app = _app(made, db, broker, {"old": {"task": "t.old", "schedule": every(1), "max_runs": 2}})
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    with caplog.at_level("WARNING", logger="celery_cluster_beat"):
+        _run(sched, 10, until=lambda: any("'old' has ended" in r.getMessage() for r in caplog.records))
+    lines = [r.getMessage() for r in caplog.records if "'old' has ended" in r.getMessage()]
+    assert len(lines) == 1 and "max_runs=2" in lines[0] and "first registration" in lines[0]

@@ -154,3 +154,35 @@ def test_max_runs_added_to_an_old_config_entry_ends_it_with_a_warning(made, db, 
         _run(sched, 10, until=lambda: any("'old' has ended" in r.getMessage() for r in caplog.records))
     lines = [r.getMessage() for r in caplog.records if "'old' has ended" in r.getMessage()]
     assert len(lines) == 1 and "max_runs=2" in lines[0] and "first registration" in lines[0]
+
+
+@pytest.mark.timeout(90)
+def test_a_bounded_stored_schedule_is_not_ended_while_its_last_occurrence_is_only_buffered(made, db, broker):
+    """``buffer_one``: the previous run is STARTED, so the last occurrence waits in memory. The row
+    must not be ended (a crash would lose that occurrence with it) until it is claimed."""
+    from celery_cluster_beat.schedules.occurrence import Occurrence
+    ops = _ops(made, db)
+    app = _app(made, db, broker)
+    app.conf.update(result_backend=broker, cluster_beat_overlap="buffer_one")
+    api = StoredSchedules(app)
+    made.append(api)
+    api.add("job", "t.job", every(1), max_runs=2, overlap="buffer_one")
+    row = ops.stored_get(["job"])[0]
+    previous = Occurrence("job", row.created_at.replace(microsecond=0) - timedelta(seconds=1))
+    history = ClaimStore(db, node_id="old-node")
+    history.open()
+    made.append(history)
+    assert history.claim([previous]) == [previous] and history.mark_sent([previous]) == 1
+    app.backend.store_result(previous.task_id, None, "STARTED")
+    sched = Scheduler(app, lazy=False)
+    made.append(sched)
+    last = row.runs_end_at
+    _run(sched, 30, until=lambda: sched._node.clock.now() > last + timedelta(seconds=1.5))
+    assert sched._guard.next_check_in() is not None, "set-up: no occurrence is buffered"
+    assert ops.stored_get(["job"])[0].ended_at is None  # not ended while only in memory
+    app.backend.store_result(previous.task_id, None, "SUCCESS")
+    _run(sched, 20, until=lambda: ops.stored_get(["job"])[0].ended_at is not None)
+    rows = {c.scheduled_at: c.status for c in ops.claims("job")}
+    # both instants of max_runs=2 have their row: the buffered one sent, the other skipped (buffer_one)
+    assert rows.get(last - timedelta(seconds=1)) == "sent" and last in rows, rows
+    assert ops.stored_get(["job"])[0].ended_at is not None

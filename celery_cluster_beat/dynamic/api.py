@@ -215,8 +215,7 @@ class StoredSchedules:
         self._notices.publish(version)
 
     def _next_fire(self, row: Dict[str, Any], now: datetime) -> Optional[datetime]:
-        """A written row's next occurrence after *now* (the database's time); sets its ``runs_end_at``:
-        where its max_runs ends, found once here so that no leader walks the count."""
+        """A written row's next occurrence after *now* (database clock); sets its ``runs_end_at`` (no leader walks)."""
         if row.get("max_runs") is not None:
             start = row.get("start_at") or row["created_at"]
             try:
@@ -322,8 +321,7 @@ class StoredSchedules:
         return row
 
     def _next_fire_new(self, row: Dict[str, Any], now: datetime) -> Optional[datetime]:
-        """:meth:`_next_fire` of a row being added: one without an occurrence left is refused, by the
-        database's clock inside the write's transaction (the clock the row would be ended by)."""
+        """:meth:`_next_fire` of a new row: none left after the database's *now* is refused."""
         nxt = self._next_fire(row, now)
         if nxt is None and row["enabled"]:
             self._never_fires(row["name"], row, now)

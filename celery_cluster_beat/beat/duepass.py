@@ -59,6 +59,8 @@ class DuePass:
         #: How long before an instant its occurrences are claimed: CLAIM_AHEAD, or less with a short
         #: claim_grace, so that a claim made ahead needs no second confirmation before its publish.
         self.claim_ahead = min(CLAIM_AHEAD, timedelta(seconds=node.settings.claim_grace / 8))
+        #: Ends of stored schedules held back while their last occurrence is buffered (name -> leaving).
+        self.ends_owed: Dict[str, Leaving] = {}
 
     def due(self) -> bool:
         """Something is due now, or within the claim-ahead."""
@@ -266,8 +268,24 @@ class DuePass:
         if not node.pipeline.unmarked:
             node.backoff.ok()
         if leaving:
-            self.stored.release(leaving)
+            self.stored.release(self._unless_buffered(leaving))
         return True
+
+    def _unless_buffered(self, leaving: List[Leaving]) -> List[Leaving]:
+        """*leaving* but the ends of stored schedules whose last occurrence waits in the buffer
+        (``buffer_one``): only in memory, a crash would lose it with the row already ended. Their
+        end is written once it is claimed (:meth:`run_buffered`); a stop records it skipped, and the
+        next leader ends the row after it (:meth:`~.stored.StoredFollower.hold`)."""
+        guard = self.node.guard
+        if guard is None:
+            return leaving
+        out = []
+        for item in leaving:
+            if item[2] is None and guard.is_buffered(item[0]):
+                self.ends_owed[item[0]] = item
+            else:
+                out.append(item)
+        return out
 
     def run_buffered(self) -> None:
         """Send buffered occurrences (overlap ``buffer_one``) whose previous run has finished."""
@@ -279,3 +297,6 @@ class DuePass:
             except Exception:
                 node.guard.requeue(ready)  # not claimed: they wait (or are recorded on handover), not dropped
                 raise
+        owed = [name for name in self.ends_owed if not node.guard.is_buffered(name)]
+        if owed:  # claimed now (or recorded skipped when forgotten): the row may end
+            self.stored.release([self.ends_owed.pop(name) for name in owed])

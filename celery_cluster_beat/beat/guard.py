@@ -384,6 +384,9 @@ class OverlapGuard:
         return decision
 
     # -- buffer_one --------------------------------------------------------------------
+    def is_buffered(self, name: str) -> bool:
+        return name in self._buffer
+
     def has_buffered(self) -> bool:
         return bool(self._buffer) and time.monotonic() >= self._next_poll
 

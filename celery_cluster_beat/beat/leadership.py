@@ -26,7 +26,8 @@ from typing import Dict, List, Optional
 
 from .. import signals
 from ..config import OverlapPolicy
-from ..store import StaleTermError, StoreUnavailable
+from ..schedules.occurrence import Occurrence
+from ..store import ClaimStatus, StaleTermError, StoreUnavailable
 from .state import NodeState
 from .stored import StoredFollower
 from .timeline import Timeline
@@ -116,10 +117,12 @@ class Leadership:
             # seen: it does not catch up to before it existed.
             after = last.get(name, now)
             key = (entry.schedule.fires_key(), after)
-            if key in known:
-                nxt = known[key]
-            else:
-                nxt = known[key] = entry.schedule.next_fire(after)
+            try:
+                nxt = known[key] if key in known else known.setdefault(key, entry.schedule.next_fire(after))
+            except Exception as exc:  # its bounds cannot be computed (past year 9999): this entry only
+                logger.error("cluster-beat: beat_schedule entry %r is not scheduled: its next occurrence cannot "
+                             "be computed (%s: %s)", name, exc.__class__.__name__, exc)
+                continue
             if nxt is None:  # a one-off that fired, a bound passed: nothing more to schedule
                 ended.append(name)
                 continue
@@ -127,6 +130,8 @@ class Leadership:
         if ended:
             logger.info("cluster-beat: %d beat_schedule entr%s without a further occurrence (ended): %s",
                         len(ended), "y" if len(ended) == 1 else "ies", ", ".join(sorted(ended)[:10]))
+            self._record_late_one_offs(ended, last)
+            self._warn_bounds_ended(ended)
         node.queue = Timeline(fires)
         self._log_schedule(fires)
         self.stored.reset(version, horizon)
@@ -135,6 +140,58 @@ class Leadership:
         self.upkeep.prune_soon()
         node.pipeline.publisher.warm_up()
         self.upkeep.housekeep()  # heartbeat as the scheduling node, and resend what a stopped node left
+
+    def _record_late_one_offs(self, ended: List[str], last: Dict[str, datetime]) -> None:
+        """A config ``at()`` first seen after its instant (deployed late) never fires: its occurrence
+        is recorded ``missed``, saying why, never dropped silently. Like any entry it does not catch up
+        to before it existed. The claim key makes it one row whatever the replicas or restarts (an
+        occurrence that was sent keeps its row: nothing is recorded over it)."""
+        node = self.node
+        late: List[Occurrence] = []
+        for name in ended:
+            fire_at = getattr(node.entries[name].schedule, "fire_at", None)
+            if not callable(fire_at):
+                continue
+            try:
+                instant = fire_at()
+            except Exception:  # its wall time cannot be resolved: nothing to record
+                continue
+            if instant < last.get(name, instant):  # first seen (or resumed) after it: never claimed
+                late.append(Occurrence(name, instant))
+        if not late:
+            return
+        try:
+            recorded = node.store.record(late, status=ClaimStatus.MISSED, term=node.term(),
+                                         reason="at() instant passed before the entry was first registered")
+        except (StoreUnavailable, StaleTermError) as exc:
+            logger.warning("cluster-beat: cannot record %d late one-off(s) as missed yet (%s)", len(late), exc)
+            return
+        for occ in recorded:
+            logger.warning("cluster-beat: beat_schedule entry %r: its at() instant %s passed before any node "
+                           "registered it; recorded missed (never sent)", occ.schedule, occ.at.isoformat())
+
+    def _warn_bounds_ended(self, ended: List[str]) -> None:
+        """A WARNING for each config entry its bounds have ended, naming the field and when: adding
+        ``max_runs`` to an entry that has run for long ends it at once (it counts from its first
+        registration), which must not pass as a quiet INFO line."""
+        for name in sorted(ended)[:100]:
+            rule = self.node.entries[name].schedule
+            try:
+                last = rule.last_instant() if hasattr(rule, "last_instant") else None
+            except Exception:
+                continue
+            if last is None:
+                continue
+            end_at, runs = getattr(rule, "end_at", None), getattr(rule, "max_runs", None)
+            if runs is not None and (end_at is None or last < end_at):
+                why = (f"max_runs={runs}, counted from {rule.start.isoformat()} "
+                       f"({'start_at' if rule.start_at is not None else 'its first registration'})")
+            elif end_at is not None:
+                why = "end_at"
+            else:
+                continue
+            logger.warning("cluster-beat: beat_schedule entry %r has ended by its bounds (%s): its last instant "
+                           "was %s; it does not fire again", name, why, last.isoformat())
 
     def _bind_origins(self) -> None:
         """Give each config entry whose ``max_runs`` counts from its registration (no ``start_at``)

@@ -115,10 +115,17 @@ class StoredFollower:
                 self.drop(row.name)  # its next_at in SQL is exact: the window that covers it loads it
                 continue
             # On the schedule's own instants (the zone it is read in here decides), from next_at on.
-            at = entry.schedule.next_fire(row.next_at - TINY)
-            if at is not None and last and row.name in last:  # held (before the horizon in SQL), from where it is
-                after_last = entry.schedule.next_fire(last[row.name])
-                at = None if after_last is None else max(at, after_last)
+            try:
+                at = entry.schedule.next_fire(row.next_at - TINY)
+                if at is not None and last and row.name in last:  # held (before the horizon in SQL), from where it is
+                    after_last = entry.schedule.next_fire(last[row.name])
+                    at = None if after_last is None else max(at, after_last)
+            except Exception as exc:  # a row written by hand with bounds past year 9999: this row only
+                # Queued at its next_at, where the due pass records it failed with the reason and drops it.
+                logger.error("cluster-beat: stored schedule %r: its next occurrence cannot be computed (%s: %s)",
+                             row.name, exc.__class__.__name__, exc)
+                entry.refused = f"its next occurrence cannot be computed ({exc.__class__.__name__}: {exc})"
+                at = row.next_at
             if at is None:  # its last occurrence was recorded already (the previous leader did not hand it back)
                 if current is not None:
                     self.drop(row.name, gone="ended")  # an older definition held must not fire on

@@ -81,7 +81,7 @@ _OUR_KEYS = frozenset(OUR_KEYS + BOUND_KEYS)
 
 
 def _bounds(spec: Mapping[str, Any], schedule: Optional[ClusterSchedule], origin: Optional[datetime],
-            bad: Any) -> Optional[ClusterSchedule]:
+            bad: Any, runs_end: Optional[datetime] = None) -> Optional[ClusterSchedule]:
     """*schedule* with the entry's ``start_at`` / ``end_at`` / ``max_runs`` (itself when it has none);
     each problem reported through *bad(field, reason)*."""
     given = {key: spec.get(key) for key in BOUND_KEYS if spec.get(key) is not None}
@@ -103,8 +103,14 @@ def _bounds(spec: Mapping[str, Any], schedule: Optional[ClusterSchedule], origin
         return None
     if schedule is None or len(when) < len(given) - ("max_runs" in given):
         return None
-    return bounded(schedule, start_at=when.get("start_at"), end_at=when.get("end_at"),
-                   max_runs=given.get("max_runs"), origin=origin)
+    rule = bounded(schedule, start_at=when.get("start_at"), end_at=when.get("end_at"),
+                   max_runs=given.get("max_runs"), origin=origin, runs_end=runs_end)
+    try:
+        rule.last_instant()  # its count's end, where its start is known: past year 9999 is bad input
+    except (ScheduleError, OverflowError, ValueError) as exc:
+        bad("max_runs", str(exc).replace("max_runs: ", "", 1))
+        return None
+    return rule
 
 
 def _maybe(kind: Any, value: Any) -> Any:
@@ -112,7 +118,8 @@ def _maybe(kind: Any, value: Any) -> Any:
 
 
 def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule entry", check_options: bool = True,
-                printable_only: bool = True, origin: Optional[datetime] = None) -> Tuple[Optional[Entry], List[str]]:
+                printable_only: bool = True, origin: Optional[datetime] = None,
+                runs_end: Optional[datetime] = None) -> Tuple[Optional[Entry], List[str]]:
     """An :class:`Entry` for one ``beat_schedule`` item, or the list of its problems.
 
     *label* names where the entry comes from in each problem (stored schedules say so).
@@ -196,7 +203,7 @@ def build_entry(name: Any, spec: Any, app=None, *, label: str = "beat_schedule e
             reason = text_problem(description, limit=MAX_TEXT_BYTES, what="a string", free=True)
         if reason:
             bad("description", reason)
-        schedule = _bounds(spec, schedule, origin, bad)
+        schedule = _bounds(spec, schedule, origin, bad, runs_end)
     if problems:
         return None, problems
     return (

@@ -52,7 +52,7 @@ from ..base import MAX_NAME_LENGTH
 from ..config.settings import Settings, load_settings
 from ..config.values import MAX_TEXT_BYTES, description_problem, shown, text_problem
 from ..errors import ConfigError, ScheduleError, UnknownSchedule
-from ..schedules.bounds import runs_problem
+from ..schedules.bounds import runs_end, runs_problem
 from ..schedules.celery_types import app_zone
 from ..schedules.instants import utcnow
 from ..schedules.rules import parse_instant
@@ -214,7 +214,15 @@ class StoredSchedules:
             self._notices = ChangeNotices(self.settings.redis.client, self.settings.cluster_name)
         self._notices.publish(version)
 
-    def _next_fire(self, row: Mapping[str, Any], now: datetime) -> Optional[datetime]:
+    def _next_fire(self, row: Dict[str, Any], now: datetime) -> Optional[datetime]:
+        """A written row's next occurrence after *now* (database clock); sets its ``runs_end_at`` (no leader walks)."""
+        if row.get("max_runs") is not None:
+            start = row.get("start_at") or row["created_at"]
+            try:
+                rule = parse_schedule_text(row["schedule"], row["zone"])
+                row["runs_end_at"] = runs_end(rule, start, row["max_runs"], row.get("end_at"))
+            except ScheduleError as exc:
+                raise ConfigError(f"{LABEL} {row['name']!r}: max_runs: {str(exc).replace('max_runs: ', '', 1)}") from None
         if not row["enabled"]:
             return None
         return rule_of_row(row, app=self.app).next_fire(now)
@@ -309,17 +317,27 @@ class StoredSchedules:
         if problems:  # an explicit guard on runs nothing can observe would block it silently
             raise ConfigError(problems)
         if old is None:
-            self._never_fires(name, row)
             self._open().check_names([name])
         return row
 
-    def _never_fires(self, name: str, row: Mapping[str, Any]) -> None:
-        """Refuse to add a schedule that has no occurrence left (a one-off in the past, an end_at that
-        passed): stored, it would end at once without a trace of why. By this host's clock; an update
-        may end a schedule (end_at now, say): it is then marked ended."""
-        now = utcnow()
-        if not row.get("enabled", True) or rule_of_row(dict(row, created_at=now), app=self.app).next_fire(now):
-            return
+    def _next_fire_new(self, row: Dict[str, Any], now: datetime) -> Optional[datetime]:
+        """:meth:`_next_fire` of a new row: none left after the database's *now* is refused."""
+        nxt = self._next_fire(row, now)
+        if nxt is None and row["enabled"]:
+            self._never_fires(row["name"], row, now)
+        return nxt
+
+    def _never_fires(self, name: str, row: Mapping[str, Any], now: Optional[datetime] = None) -> None:
+        """Refuse to add a schedule that has no occurrence left after *now* (a one-off in the past, an
+        end_at that passed): stored, it would end at once without a trace of why. An update may end a
+        schedule (end_at now, say): it is then marked ended."""
+        if now is None:  # a dry run (validate): this host's clock; add decides by the database's
+            now = utcnow()
+            try:
+                if not row.get("enabled", True) or rule_of_row(dict(row, created_at=now), app=self.app).next_fire(now):
+                    return
+            except ScheduleError as exc:
+                raise ConfigError(f"{LABEL} {name!r}: max_runs: {str(exc).replace('max_runs: ', '', 1)}") from None
         if row.get("end_at") is not None and row["end_at"] <= now:
             raise ConfigError(f"{LABEL} {name!r}: end_at: {row['end_at'].isoformat()} has passed: the schedule "
                               "would never fire")
@@ -327,8 +345,8 @@ class StoredSchedules:
         raise ConfigError(f"{LABEL} {name!r}: {field}: no occurrence after now ({now.isoformat()}): the schedule "
                           "would never fire")
 
-    def _change(self, names: Sequence[str], change: Any) -> int:
-        version = self._open().stored_change(names, change, self._next_fire)
+    def _change(self, names: Sequence[str], change: Any, new: bool = False) -> int:
+        version = self._open().stored_change(names, change, self._next_fire_new if new else self._next_fire)
         self._notify(version)
         return version
 
@@ -365,7 +383,7 @@ class StoredSchedules:
                                   "(update() changes it)")
             return [row], []
 
-        self._change([name], change)
+        self._change([name], change, new=True)
         return self._read(name)
 
     def add_many(self, specs: Iterable[Mapping[str, Any]]) -> int:
@@ -387,7 +405,7 @@ class StoredSchedules:
                 raise ConfigError(f"{LABEL} {taken!r}: name: a stored schedule of that name exists already")
             return rows, []
 
-        self._change(names, change)
+        self._change(names, change, new=True)
         return len(rows)
 
     def validate(self, spec: Mapping[str, Any]) -> None:
@@ -395,7 +413,7 @@ class StoredSchedules:
         :class:`ConfigError`), writing nothing: a dry run's answer to "would this be stored?"."""
         spec = dict(spec)
         name = spec.pop("name", None)
-        self._definition(name, spec)
+        self._never_fires(name, self._definition(name, spec))
 
     def update(self, name: str, **fields: Any) -> StoredSchedule:
         """Change the given fields of a stored schedule; the rest stay. Its next occurrence is

@@ -104,11 +104,19 @@ def entry_from_row(row: StoredRow, app: Any = None, *, allowed: Optional[Collect
     for key in BOUND_KEYS:
         if getattr(row, key) is not None:
             spec[key] = getattr(row, key)
+    runs_end_at = getattr(row, "runs_end_at", None)
+    if row.max_runs is not None and row.created_at is not None and runs_end_at is None:
+        # The API stores where the count ends when it writes the row; the leader never walks it. A row
+        # written past the API without it is refused: its occurrences are recorded failed, saying why.
+        refused.append(("max_runs", f"{LABEL} {row.name!r}: max_runs: runs_end_at is not set (the end of its "
+                                    "count, computed when the API writes the row): store it through the API"))
+        spec.pop("max_runs", None)
     if problems:
         raise ConfigError(problems)
     entry, problems = build_entry(row.name, spec, app=app, label=LABEL, check_options="options" not in spec,
                                   printable_only=False,  # valid when written: readable, shown escaped
-                                  origin=row.created_at)  # max_runs without start_at counts from the creation
+                                  origin=row.created_at,  # max_runs without start_at counts from the creation
+                                  runs_end=runs_end_at)  # ... and ends where the API found (no walk here)
     if entry is None:
         raise ConfigError(problems)
     entry.stored_version = row.version
@@ -125,7 +133,7 @@ def rule_of_row(row: Mapping[str, Any], app: Any = None) -> ClusterSchedule:
     if all(row.get(key) is None for key in BOUND_KEYS):
         return rule
     return bounded(rule, start_at=row.get("start_at"), end_at=row.get("end_at"), max_runs=row.get("max_runs"),
-                   origin=row.get("created_at"))
+                   origin=row.get("created_at"), runs_end=row.get("runs_end_at"))
 
 
 def _allowed(app: Any) -> Collection[str]:

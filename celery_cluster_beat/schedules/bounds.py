@@ -8,7 +8,11 @@ which occurrences exist never depends on counting claim rows, and every replica 
 occurrence that ended skipped, missed or failed counts toward ``max_runs`` like a sent one.
 
 The ``max_runs``-th instant is computed once per (rule, start, count) and kept, so a due pass
-costs one comparison more, never a walk over the runs so far.
+costs one comparison more, never a walk over the runs so far. For a plain ``every`` it is
+arithmetic; for other rules it is a walk of up to :data:`MAX_RUNS` instants, done once per
+config entry when it becomes active. A stored schedule never walks on the scheduling node: the
+API computes that instant once when the row is written and stores it (``runs_end_at``), and
+the leader bounds the row by it (*runs_end*).
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ from .errors import ScheduleError
 from .instants import TINY, require_aware
 from .rules import EveryRule, ScheduleRule
 
-__all__ = ["BoundedRule", "MAX_RUNS", "nth_fire", "runs_problem"]
+__all__ = ["BoundedRule", "MAX_RUNS", "nth_fire", "runs_end", "runs_problem"]
 
 #: Most runs ``max_runs`` may ask for: finding the last one walks the rule once (for rules
-#: other than a plain ``every``), which must stay well under a second. For more, use ``end_at``.
-MAX_RUNS = 100_000
+#: other than a plain ``every``), which must stay well under a second (10,000 steps of a
+#: ``* * * * *`` cron: about 0.3 s). For more, use ``end_at``.
+MAX_RUNS = 10_000
 
 
 def runs_problem(value: Any) -> Optional[str]:
@@ -38,22 +43,63 @@ def runs_problem(value: Any) -> Optional[str]:
     return None
 
 
+def _beyond(n: int, after: datetime) -> ScheduleError:
+    return ScheduleError(f"max_runs: the {n}th run from {(after + TINY).isoformat()} is later than the last date "
+                         "a datetime can hold (year 9999): lower max_runs or start_at")
+
+
 @lru_cache(maxsize=4096)
 def _nth(key: Tuple, rule: ScheduleRule, after: datetime, n: int) -> Optional[datetime]:
-    if isinstance(rule, EveryRule) and rule.baseline is None:  # the epoch grid: arithmetic
-        first = rule.next_fire(after)
-        return first + (n - 1) * rule.interval
-    t: Optional[datetime] = after
-    for _ in range(n):
-        t = rule.next_fire(t)
-        if t is None:
-            return None
-    return t
+    try:
+        if isinstance(rule, EveryRule) and rule.baseline is None:  # the epoch grid: arithmetic
+            first = rule.next_fire(after)
+            return first + (n - 1) * rule.interval
+        t: Optional[datetime] = after
+        for _ in range(n):
+            t = rule.next_fire(t)
+            if t is None:
+                return None
+        return t
+    except (OverflowError, ValueError, ScheduleError) as exc:  # past year 9999
+        raise _beyond(n, after) from exc
 
 
 def nth_fire(rule: ScheduleRule, after: datetime, n: int) -> Optional[datetime]:
-    """The *n*-th instant of *rule* strictly after *after* (None when it has fewer)."""
+    """The *n*-th instant of *rule* strictly after *after* (None when it has fewer); a
+    :class:`ScheduleError` naming ``max_runs`` when it is past what a datetime holds."""
     return _nth(rule.fires_key(), rule, require_aware(after), n)
+
+
+def runs_end(rule: ScheduleRule, start: datetime, max_runs: int, end_at: Optional[datetime] = None) -> datetime:
+    """Where *max_runs* instants of *rule* from *start* end: the last instant it may fire at by its
+    count (stored as a row's ``runs_end_at``). Walks at most *max_runs* instants, and stops at
+    *end_at* (the count no longer matters past it); a rule with fewer instants ends at its last
+    one (or at *start* when it has none). :class:`ScheduleError` naming ``max_runs`` when the
+    count runs past year 9999."""
+    start = require_aware(start)
+    return _runs_end(rule.fires_key(), rule, start, max_runs, end_at)
+
+
+@lru_cache(maxsize=1024)  # add_many: every row of one change has the same start
+def _runs_end(key: Tuple, rule: ScheduleRule, start: datetime, max_runs: int,
+              end_at: Optional[datetime]) -> datetime:
+    after = start - TINY
+    if isinstance(rule, EveryRule) and rule.baseline is None:
+        nth = nth_fire(rule, after, max_runs)
+        return start if nth is None else nth
+    t: Optional[datetime] = after
+    last = start
+    try:
+        for _ in range(max_runs):
+            t = rule.next_fire(t)
+            if t is None:
+                return last
+            last = t
+            if end_at is not None and t > end_at:
+                return t
+    except (OverflowError, ValueError, ScheduleError) as exc:
+        raise _beyond(max_runs, after) from exc
+    return last
 
 
 class BoundedRule(ScheduleRule):
@@ -61,7 +107,7 @@ class BoundedRule(ScheduleRule):
 
     def __init__(self, rule: ScheduleRule, *, start_at: Optional[datetime] = None,
                  end_at: Optional[datetime] = None, max_runs: Optional[int] = None,
-                 origin: Optional[datetime] = None) -> None:
+                 origin: Optional[datetime] = None, runs_end: Optional[datetime] = None) -> None:
         if isinstance(rule, BoundedRule):
             raise ScheduleError(f"{rule!r} has bounds already")
         self.rule = rule
@@ -74,6 +120,9 @@ class BoundedRule(ScheduleRule):
             raise ScheduleError(f"max_runs: {reason}")
         self.max_runs = max_runs
         self.origin = require_aware(origin, "origin") if origin is not None else None
+        #: The last instant by the count, computed when the row was written (a stored row's
+        #: ``runs_end_at``): the count is then never walked here.
+        self.runs_end = require_aware(runs_end, "runs_end_at") if runs_end is not None and max_runs else None
 
     # A bounded rule runs in its rule's zone, and reads like it for operators (list, the page).
     @property
@@ -111,7 +160,10 @@ class BoundedRule(ScheduleRule):
             return cached
         last = self.end_at
         start = self.start
-        if self.max_runs is not None and start is not None:
+        if self.runs_end is not None:
+            if last is None or self.runs_end < last:
+                last = self.runs_end
+        elif self.max_runs is not None and start is not None:
             nth = nth_fire(self.rule, start - TINY, self.max_runs)
             if nth is not None and (last is None or nth < last):
                 last = nth
@@ -132,11 +184,11 @@ class BoundedRule(ScheduleRule):
     def with_origin(self, origin: Optional[datetime]) -> "BoundedRule":
         """The same bounds counted from *origin* (the schedule's registration or creation)."""
         return type(self)(self.rule, start_at=self.start_at, end_at=self.end_at, max_runs=self.max_runs,
-                          origin=origin)
+                          origin=origin, runs_end=self.runs_end if origin == self.origin else None)
 
     def _key(self) -> Tuple:
         return (self.rule, self.start_at, self.end_at, self.max_runs,
-                self.origin if self.max_runs is not None and self.start_at is None else None)
+                self.origin if self.max_runs is not None and self.start_at is None else None, self.runs_end)
 
     def __repr__(self) -> str:
         parts = [repr(self.rule)]

@@ -193,16 +193,17 @@ class bounded(ClusterSchedule, BoundedRule):
 
     def __init__(self, rule: ClusterSchedule, *, start_at: Optional[datetime] = None,
                  end_at: Optional[datetime] = None, max_runs: Optional[int] = None,
-                 origin: Optional[datetime] = None, nowfun=None, app=None):
+                 origin: Optional[datetime] = None, runs_end: Optional[datetime] = None, nowfun=None, app=None):
         celery_schedules.BaseSchedule.__init__(self, nowfun=nowfun, app=app)
-        BoundedRule.__init__(self, rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin)
+        BoundedRule.__init__(self, rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin,
+                             runs_end=runs_end)
 
     def __reduce__(self):
-        return (_rebuild_bounded, (self.rule, self.start_at, self.end_at, self.max_runs, self.origin))
+        return (_rebuild_bounded, (self.rule, self.start_at, self.end_at, self.max_runs, self.origin, self.runs_end))
 
 
-def _rebuild_bounded(rule: ClusterSchedule, start_at, end_at, max_runs, origin) -> bounded:
-    return bounded(rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin)
+def _rebuild_bounded(rule: ClusterSchedule, start_at, end_at, max_runs, origin, runs_end=None) -> bounded:
+    return bounded(rule, start_at=start_at, end_at=end_at, max_runs=max_runs, origin=origin, runs_end=runs_end)
 
 
 def as_schedule(value: Any, app=None) -> ClusterSchedule:

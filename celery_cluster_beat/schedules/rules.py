@@ -219,6 +219,7 @@ class AtRule(ScheduleRule):
             self.wall: Optional[datetime] = value
             self.tz_name = _zone_name(what, tz)
         else:
+            _zone_name(what, tz)  # checked all the same: a zone that does not exist is a mistake
             self.instant, self.wall = value, None
             self.tz_name = None  # an exact instant: no zone reads it
 

@@ -212,6 +212,9 @@ stored_schedules_table = sa.Table(
     sa.Column("end_at", UTCDateTime(), nullable=True),
     sa.Column("max_runs", sa.Integer(), nullable=True),
     sa.Column("ended_at", UTCDateTime(), nullable=True),
+    # The last instant max_runs allows (from start_at, else created_at), computed by the API when it
+    # writes the row, so the leader bounds the row by it and never walks the count.
+    sa.Column("runs_end_at", UTCDateTime(), nullable=True),
     sa.Index("ix_cluster_beat_stored_schedules_version", "version"),
     sa.Index("ix_cluster_beat_stored_schedules_next_at", "next_at"),
     **_MYSQL_TABLE,
@@ -445,7 +448,8 @@ _BACKFILL_AND_FAILURE_COLUMNS = [
 
 #: Version 5 -> 6, bounds and one-offs: stored schedules' start_at, end_at, max_runs and ended_at
 #: (NULL on existing rows: no bounds, not ended, which is what they were).
-_BOUNDS_COLUMNS = [_add_column(stored_schedules_table, c) for c in ("start_at", "end_at", "max_runs", "ended_at")]
+_BOUNDS_COLUMNS = [_add_column(stored_schedules_table, c) for c in ("start_at", "end_at", "max_runs", "ended_at",
+                                                                      "runs_end_at")]
 
 #: version -> the steps that bring a store of that version to the next one. New tables
 #: are created by ``create_all``; only changes to existing tables are listed here.

@@ -62,12 +62,14 @@ class StoredRow:
     max_runs: Optional[int] = None
     #: When its rule was found to have no further occurrence (database clock); next_at is then None.
     ended_at: Optional[datetime] = None
+    #: The last instant max_runs allows, computed when the row is written (*next_fire* of a change).
+    runs_end_at: Optional[datetime] = None
 
 
 _FIELDS = [f.name for f in fields(StoredRow)]
 #: Columns a change writes (the rest are the store's: version, times, tombstone, end).
 DEFINITION = [f for f in _FIELDS if f not in ("version", "created_at", "changed_at", "next_at", "deleted",
-                                              "ended_at")]
+                                              "ended_at", "runs_end_at")]
 
 #: ``change(existing, now) -> (rows to write, names to remove)``: *existing* maps each asked
 #: name to its live row (tombstones left out); *now* is the database's time. Raising aborts
@@ -108,7 +110,7 @@ class StoredScheduleQueries:
         *next_fire(row, now)* gives a written row's next occurrence after the change
         (None when disabled, or when its rule has no further one: the row is then marked ended);
         a changed schedule restarts from the change time. *row* has ``created_at`` too (where
-        ``max_runs`` counts from).
+        ``max_runs`` counts from), and *next_fire* sets its ``runs_end_at`` (where max_runs ends).
         """
         t = stored_schedules_table
         wanted = sorted(set(names))
@@ -132,9 +134,12 @@ class StoredScheduleQueries:
                 # A tombstone coming back to life is a new schedule: its creation time is now.
                 live_row = live.get(w["name"])
                 values["created_at"] = live_row.created_at if live_row is not None else now
+                values["runs_end_at"] = None
                 nxt = next_fire(values, now)
-                values.update(version=version, changed_at=now, deleted=False, next_at=nxt,
-                              ended_at=now if nxt is None and values["enabled"] else None)
+                ended = now if nxt is None and values["enabled"] else None
+                if nxt is None and live_row is not None and live_row.ended_at is not None:
+                    ended = live_row.ended_at  # still ended: when it ended stays (only a revival clears it)
+                values.update(version=version, changed_at=now, deleted=False, next_at=nxt, ended_at=ended)
                 if w["name"] in found:
                     updates.append(values)
                 else:

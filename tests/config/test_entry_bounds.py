@@ -51,3 +51,12 @@ def test_every_problem_is_reported_at_once_naming_entry_field_and_reason():
 def test_a_bad_at_is_refused_where_it_is_written_as_a_bad_cron_is():
     with pytest.raises(ScheduleError, match="at\\('tomorrow'\\): 'tomorrow' is not an ISO-8601 date and time"):
         at("tomorrow")
+
+
+def test_max_runs_past_year_9999_is_one_clear_config_error_naming_the_entry_and_field():
+    from celery_cluster_beat.config.entries import build_entry
+    from celery_cluster_beat import every as _every
+    entry, problems = build_entry("late", {"task": "t.x", "schedule": _every(60), "start_at": "9999-12-30T00:00:00Z",
+                                           "max_runs": 10_000})
+    assert entry is None
+    assert len(problems) == 1 and "'late'" in problems[0] and "max_runs" in problems[0] and "9999" in problems[0]

@@ -81,3 +81,69 @@ def test_an_update_that_leaves_no_occurrence_ends_the_schedule_and_a_later_one_r
     assert ended.next_at is None and ended.ended_at is not None
     again = schedules.update("s", end_at=None)
     assert again.next_at is not None and again.ended_at is None
+
+
+def test_max_runs_past_year_9999_is_refused_naming_the_field_not_an_overflow(tmp_path):
+    from celery import Celery
+    from celery_cluster_beat import cron as _cron, every as _every
+    from celery_cluster_beat.dynamic import StoredSchedules
+    from celery_cluster_beat.errors import ConfigError
+    app = Celery("ovf", set_as_current=False)
+    app.conf.update(cluster_beat_db_url=f"sqlite:///{tmp_path}/c.db", cluster_beat_redis_url="")
+    with StoredSchedules(app) as api:
+        for rule in (_every(60), _cron("0 0 29 2 *")):
+            with pytest.raises(ConfigError, match=r"'late': max_runs: .*9999"):
+                api.add("late", "t.x", rule, start_at="9999-12-30T00:00:00Z", max_runs=10_000)
+        with pytest.raises(ConfigError, match=r"'leap': max_runs: .*9999"):  # counted from the creation
+            api.add("leap", "t.x", _cron("0 0 29 2 *"), max_runs=10_000)
+        assert api.list() == []
+
+
+def test_add_decides_a_one_off_by_the_databases_clock_inside_the_transaction(schedules, monkeypatch):
+    """The host's clock an hour behind the database's: a one-off between the two is refused (it would
+    be stored already ended, silently), by add and add_many alike; none is written."""
+    import celery_cluster_beat.dynamic.api as api_module
+    from celery_cluster_beat.schedules.instants import utcnow as real_utcnow
+    monkeypatch.setattr(api_module, "utcnow", lambda: real_utcnow() - timedelta(hours=1))
+    store = schedules._open()
+    db_now = store.db_now()
+    between = db_now - timedelta(minutes=10)  # future for the host, past for the database
+    with pytest.raises(ConfigError, match=r"stored schedule 'skew': schedule: no occurrence after now"):
+        schedules.add("skew", "t.x", at(between))
+    with pytest.raises(ConfigError, match=r"stored schedule 'b': schedule: no occurrence after now"):
+        schedules.add_many([{"name": "a", "task": "t.x", "schedule": at(db_now + timedelta(hours=1))},
+                            {"name": "b", "task": "t.x", "schedule": at(between)}])
+    assert schedules.list() == []
+
+
+def test_the_boundary_of_add_is_the_transactions_own_now(schedules, monkeypatch):
+    """At the database's now exactly: refused; one microsecond later: stored, not ended."""
+    store = schedules._open()
+    fixed = store.db_now().replace(microsecond=0) + timedelta(seconds=30)
+    monkeypatch.setattr(type(store), "_now", lambda self, conn: fixed)
+    with pytest.raises(ConfigError, match=r"'edge': schedule: no occurrence after now"):
+        schedules.add("edge", "t.x", at(fixed))
+    s = schedules.add("edge", "t.x", at(fixed + timedelta(microseconds=1)))
+    assert s.next_at == fixed + timedelta(microseconds=1) and s.ended_at is None
+
+
+def test_a_one_off_a_few_milliseconds_ahead_is_stored_pending_or_refused_never_ended(schedules):
+    for i in range(5):
+        when = schedules._open().db_now() + timedelta(milliseconds=2)
+        try:
+            s = schedules.add(f"ms:{i}", "t.x", at(when))
+        except ConfigError as exc:
+            assert "no occurrence after now" in str(exc)
+            continue
+        assert s.next_at == when and s.ended_at is None
+
+
+def test_an_update_of_an_ended_schedule_keeps_when_it_ended_unless_it_revives_it(schedules):
+    schedules.add("e", "t.x", every(60))
+    first = schedules.update("e", end_at=datetime.now(UTC) - timedelta(seconds=1)).ended_at
+    assert first is not None
+    for change in (dict(description="still ended"), dict(enabled=False), dict(enabled=True)):
+        again = schedules.update("e", **change)
+        assert again.next_at is None and again.ended_at == first, change
+    revived = schedules.update("e", end_at=None)
+    assert revived.next_at is not None and revived.ended_at is None

@@ -99,3 +99,10 @@ def test_celery_face_says_not_due_after_its_instant():
     assert rule.is_due(T - timedelta(seconds=5)).is_due is True
     state = rule.is_due(T)
     assert state.is_due is False and state.next > 3600
+
+
+@pytest.mark.parametrize("when", ["2026-12-07T15:00:00Z", "2026-12-07T15:00:00"])
+def test_a_zone_that_does_not_exist_is_refused_whether_the_instant_is_aware_or_not(when):
+    from celery_cluster_beat.schedules.rules import AtRule
+    with pytest.raises(ScheduleError, match="Nope/Zone"):
+        AtRule(when, tz="Nope/Zone")

@@ -502,7 +502,13 @@ def _apply_in_one_tick(sched: Scheduler) -> List[str]:
     time.sleep(scheduler_module.CHANGE_READ_MIN + 0.1)
     with _sql(sched) as seen:
         sched.tick()
-    return [s for s in _work(seen) if not _housekeeping(s)]
+    work = [s for s in _work(seen) if not _housekeeping(s)]
+    # A moved change counter may also mean a backfill request: one read of the pending ones, served
+    # after the due pass when the pass leaves room, so on a loaded host it can fall into this tick
+    # or the next whatever the number of changes. One at most, never one per change.
+    backfill_reads = [s for s in work if "cluster_beat_backfills" in s]
+    assert len(backfill_reads) <= 1, backfill_reads
+    return [s for s in work if "cluster_beat_backfills" not in s]
 
 
 def _housekeeping(statement: str) -> bool:

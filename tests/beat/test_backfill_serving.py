@@ -5,10 +5,9 @@ written by hand is refused, never walked); the result counts what was published,
 what is still being sent."""
 from __future__ import annotations
 
-import time
 import uuid
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -17,8 +16,9 @@ from celery import Celery
 from celery_cluster_beat import every
 from celery_cluster_beat.beat.scheduler import Scheduler
 from celery_cluster_beat.store import ClaimStore
-from celery_cluster_beat.store.backfill import BackfillRequest
 from celery_cluster_beat.store.schema import BackfillState, backfills_table
+
+from test_backfill_inprocess import _finished, _run_until  # the same ticking and waiting
 
 
 def _app(made, db, broker, **schedule) -> Celery:
@@ -30,21 +30,6 @@ def _app(made, db, broker, **schedule) -> Celery:
     return app
 
 
-def _run_until(sched: Scheduler, done: Callable[[], Any], seconds: float) -> Any:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        found = done()
-        if found:
-            return found
-        time.sleep(max(0.0, min(sched.tick(), 0.2)))
-    raise AssertionError(f"not done within {seconds} s")
-
-
-def _finished(ops: ClaimStore, request: BackfillRequest) -> Callable[[], Any]:
-    def check() -> Any:
-        row = ops.backfill_request(request.id)
-        return row if row.state != BackfillState.PENDING else None
-    return check
 
 
 def _open(made, db) -> ClaimStore:

@@ -372,7 +372,12 @@ class Scheduler(beat.Scheduler):
         node = self._node
         node.active = False
         if node.pipeline is not None:
-            node.pipeline.abandon()  # record what went out, hand the rest over before the lease goes
+            # Record what went out, hand the rest over before the lease goes. A buffered (buffer_one)
+            # occurrence lives only in memory: recorded skipped here, as when the lease is lost, or it
+            # would end without a claim row, and the next leader, finding the later instants recorded,
+            # would never see it (a bounded schedule's row would even be ended after it).
+            buffered = node.guard.drop_buffered() if node.guard is not None else []
+            node.pipeline.abandon(buffered)
         if node.lease is not None:
             try:
                 node.lease.close()

@@ -156,19 +156,26 @@ def test_max_runs_added_to_an_old_config_entry_ends_it_with_a_warning(made, db, 
     assert len(lines) == 1 and "max_runs=2" in lines[0] and "first registration" in lines[0]
 
 
-@pytest.mark.timeout(90)
-def test_a_bounded_stored_schedule_is_not_ended_while_its_last_occurrence_is_only_buffered(made, db, broker):
-    """``buffer_one``: the previous run is STARTED, so the last occurrence waits in memory. The row
-    must not be ended (a crash would lose that occurrence with it) until it is claimed."""
+def _last_buffered(made, db, broker):
+    """A stored ``every(1)`` schedule with ``max_runs=2`` and ``buffer_one`` whose previous run (written
+    by an "old-node") is STARTED, ticked until both its instants were handled: the first waits in the
+    buffer, the last is recorded skipped. ``(ops, app, sched, name, previous, last)``.
+
+    The schedule's name is the test's own: task ids come from (name, instant), and other tests
+    running meanwhile write and forget results of theirs on the same Redis result backend (a
+    ``forget`` of the same id read as PENDING, in flight for ``max_run_time``, kept the occurrence
+    buffered). ``catchup="all"``: a first tick late on a loaded host still sends (buffers) the first
+    instant instead of recording it missed."""
     from celery_cluster_beat.schedules.occurrence import Occurrence
     ops = _ops(made, db)
     app = _app(made, db, broker)
     app.conf.update(result_backend=broker, cluster_beat_overlap="buffer_one")
     api = StoredSchedules(app)
     made.append(api)
-    api.add("job", "t.job", every(1), max_runs=2, overlap="buffer_one")
-    row = ops.stored_get(["job"])[0]
-    previous = Occurrence("job", row.created_at.replace(microsecond=0) - timedelta(seconds=1))
+    name = "job-" + uuid.uuid4().hex[:8]
+    api.add(name, "t.job", every(1), max_runs=2, overlap="buffer_one", catchup="all")
+    row = ops.stored_get([name])[0]
+    previous = Occurrence(name, row.created_at.replace(microsecond=0) - timedelta(seconds=1))
     history = ClaimStore(db, node_id="old-node")
     history.open()
     made.append(history)
@@ -177,12 +184,47 @@ def test_a_bounded_stored_schedule_is_not_ended_while_its_last_occurrence_is_onl
     sched = Scheduler(app, lazy=False)
     made.append(sched)
     last = row.runs_end_at
-    _run(sched, 30, until=lambda: sched._node.clock.now() > last + timedelta(seconds=1.5))
-    assert sched._guard.next_check_in() is not None, "set-up: no occurrence is buffered"
-    assert ops.stored_get(["job"])[0].ended_at is None  # not ended while only in memory
+    _run(sched, 30, until=lambda: any(c.scheduled_at == last for c in ops.claims(name)))
+    _run(sched, 1.0)  # a few more passes and buffer polls: an end written too early would show
+    rows = {c.scheduled_at: (c.status, c.reason) for c in ops.claims(name)}
+    assert rows == {previous.at: ("sent", None), last: ("skipped", "overlap")}, rows  # the first: in memory only
+    assert sched._guard.is_buffered(name), "set-up: no occurrence is buffered"
+    return ops, app, sched, name, previous, last
+
+
+@pytest.mark.timeout(90)
+def test_a_bounded_stored_schedule_is_not_ended_while_its_last_occurrence_is_only_buffered(made, db, broker):
+    """``buffer_one``: the previous run is STARTED, so the last occurrence waits in memory. The row
+    must not be ended (a crash would lose that occurrence with it) until it is claimed."""
+    ops, app, sched, name, previous, last = _last_buffered(made, db, broker)
+    assert ops.stored_get([name])[0].ended_at is None  # not ended while only in memory
     app.backend.store_result(previous.task_id, None, "SUCCESS")
-    _run(sched, 20, until=lambda: ops.stored_get(["job"])[0].ended_at is not None)
-    rows = {c.scheduled_at: c.status for c in ops.claims("job")}
+    _run(sched, 20, until=lambda: ops.stored_get([name])[0].ended_at is not None)
+    rows = {c.scheduled_at: c.status for c in ops.claims(name)}
     # both instants of max_runs=2 have their row: the buffered one sent, the other skipped (buffer_one)
-    assert rows.get(last - timedelta(seconds=1)) == "sent" and last in rows, rows
-    assert ops.stored_get(["job"])[0].ended_at is not None
+    assert rows == {previous.at: "sent", last - timedelta(seconds=1): "sent", last: "skipped"}, rows
+    assert ops.stored_get([name])[0].ended_at is not None
+
+
+@pytest.mark.timeout(90)
+def test_a_clean_stop_records_the_buffered_last_occurrence_skipped_and_the_next_leader_ends_the_row(
+        made, db, broker):
+    """Closing the scheduler while a bounded schedule's occurrence waits in the buffer records it
+    ``skipped`` with the reason (README: a clean stop records it skipped and the next leader ends the
+    row). Fails if close() drops the buffer unrecorded: that occurrence never gets a claim row, and
+    the next leader, finding the last instant recorded, ends the row after it."""
+    ops, app, sched, name, previous, last = _last_buffered(made, db, broker)
+    sched.close()
+    buffered = last - timedelta(seconds=1)
+    rows = {c.scheduled_at: c for c in ops.claims(name)}
+    assert buffered in rows, "the buffered occurrence ended without a claim row"
+    assert rows[buffered].status == "skipped" and "stopped scheduling" in rows[buffered].reason, rows[buffered]
+    assert ops.stored_get([name])[0].ended_at is None  # the end was owed to the claim: the next leader writes it
+    nxt = _app(made, db, broker)
+    nxt.conf.update(result_backend=broker, cluster_beat_overlap="buffer_one")
+    successor = Scheduler(nxt, lazy=False)
+    made.append(successor)
+    _run(successor, 10, until=lambda: ops.stored_get([name])[0].ended_at is not None)
+    assert ops.stored_get([name])[0].ended_at is not None
+    assert {c.scheduled_at: c.status for c in ops.claims(name)} == {
+        previous.at: "sent", buffered: "skipped", last: "skipped"}

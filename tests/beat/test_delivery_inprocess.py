@@ -287,14 +287,17 @@ def test_a_buffered_occurrence_does_not_undercut_the_store_back_off(pg_url, brok
     Fails if the buffer's 0.25 s poll, or a due fire, made ``_sleep_time`` return
     less than the back-off while the store is down.
     """
-    app = _app(apps, pg_url, broker, {"job": {"task": "t.record", "schedule": every(1), "overlap": "buffer_one"}},
+    # A name of its own: task ids come from (name, instant), and the result backend is shared
+    # with tests running meanwhile (one forgetting "job" at the same instant would end this run).
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    app = _app(apps, pg_url, broker, {job: {"task": "t.record", "schedule": every(1), "overlap": "buffer_one"}},
                result_backend=broker, cluster_beat_node_id="node-buffer")
     name = make_url(pg_url).database
     # History: the previous run of "job" was sent a moment ago and is running.
     history = ClaimStore(pg_url, node_id="old-node")
     history.open()
     now = datetime.now(UTC).replace(microsecond=0)
-    previous = Occurrence("job", now - timedelta(seconds=1))
+    previous = Occurrence(job, now - timedelta(seconds=1))
     try:
         assert history.claim([previous]) == [previous] and history.mark_sent([previous]) == 1
     finally:
@@ -422,12 +425,15 @@ def test_a_buffered_occurrence_whose_claim_fails_is_not_lost(pg_url, broker, app
     """
     from celery_cluster_beat import signals
 
-    app = _app(apps, pg_url, broker, {"job": {"task": "t.record", "schedule": every(1), "overlap": "buffer_one"}},
+    # A name of its own: task ids come from (name, instant), and the result backend is shared
+    # with tests running meanwhile (one forgetting "job" at the same instant would end this run).
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    app = _app(apps, pg_url, broker, {job: {"task": "t.record", "schedule": every(1), "overlap": "buffer_one"}},
                result_backend=broker, cluster_beat_node_id="node-buffer")
     name = make_url(pg_url).database
     history = ClaimStore(pg_url, node_id="old-node")
     history.open()
-    previous = Occurrence("job", datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1))
+    previous = Occurrence(job, datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1))
     try:
         assert history.claim([previous]) == [previous] and history.mark_sent([previous]) == 1
     finally:
@@ -462,10 +468,10 @@ def test_a_buffered_occurrence_whose_claim_fails_is_not_lost(pg_url, broker, app
         reader.open()
         try:
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not reader.claims("job", since=buffered[0])[:1]:
+            while time.monotonic() < deadline and not reader.claims(job, since=buffered[0])[:1]:
                 _run(sched, 0.5)
             _run(sched, 2.0)
-            rows = {r.scheduled_at: r.status for r in reader.claims("job")}
+            rows = {r.scheduled_at: r.status for r in reader.claims(job)}
         finally:
             reader.close()
     finally:

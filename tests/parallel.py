@@ -1,7 +1,7 @@
-"""How the suite is spread over pytest-xdist workers (``-n 7 --dist loadgroup`` in setup.cfg).
+"""How the suite is spread over pytest-xdist workers (``-n 10 --dist loadgroup`` in setup.cfg).
 
 Most of the suite's time is real processes waiting on real time (claim grace,
-lease ttl, grid boundaries), not CPU: seven workers on two cores finish it in a
+lease ttl, grid boundaries), not CPU: ten workers on two cores finish it in a
 fraction of the serial time. What this module adds to xdist:
 
 * **Longest first.** Each worker sorts the collection by the expected duration of

@@ -131,12 +131,23 @@ def seed(old_rows: History) -> datetime:
 
 
 def test_the_leader_prunes_finished_rows_past_retention_keeps_claimed_rows_and_schedule_state(
-        db_url, redis_url, old_rows, cleanup):
+        db_url, redis_url, old_rows, cleanup, monkeypatch):
     stuck_at = seed(old_rows)
     before = old_rows.state("report")
+    retention = 5  # s: more than a loaded machine's stall between an occurrence and the prune after it
+    # The cut-offs of the leader's prune passes, with the wall time each pass began.
+    passes: List[tuple] = []
+    prune_pass = ClaimStore.prune_pass
+
+    def spy(store, older_than, **kwargs):
+        if store.node_id == "leader-node":
+            passes.append((datetime.now(UTC), older_than))
+        return prune_pass(store, older_than, **kwargs)
+
+    monkeypatch.setattr(ClaimStore, "prune_pass", spy)
     # claim_grace of an hour: the stuck row is not resent by the stale-claim sweep during the test.
-    app = make_app(db_url, redis_url, lease=True, cluster_beat_claim_retention=2, cluster_beat_prune_interval=1,
-                   cluster_beat_claim_grace=7200)
+    app = make_app(db_url, redis_url, lease=True, cluster_beat_claim_retention=retention,
+                   cluster_beat_prune_interval=1, cluster_beat_claim_grace=7200)
     scheduler = Scheduler(app=app)
     cleanup(scheduler)
 
@@ -144,18 +155,24 @@ def test_the_leader_prunes_finished_rows_past_retention_keeps_claimed_rows_and_s
         states = {s.name: s for s in old_rows.store.schedule_states()}
         return states["tick"].sent if "tick" in states else 0
 
-    run_until(scheduler, lambda: sent() >= 8, 30, "eight occurrences sent")
+    run_until(scheduler, lambda: sent() >= 12, 45, "twelve occurrences sent")
     assert scheduler._lease.is_leader
 
     rows = old_rows.statuses()
     assert [r for r in rows if r[0] == "report"] == []
     assert [r for r in rows if r[0] == "stuck"] == [("stuck", stuck_at, "claimed")]
-    # The leader's own rows: only the last few seconds are left of the 8 or more it sent
-    # (retention 2 s, pruned every second, plus room for a late pass).
+    # The leader's own rows: only the last few seconds are left of the 12 or more it sent
+    # (retention 5 s, pruned every second, plus room for a late pass).
     ticks = [r for r in rows if r[0] == "tick"]
     state = old_rows.state("tick")
-    assert state.sent >= 8 and 1 <= len(ticks) <= 5, (state.sent, ticks)
-    assert all(at > _now() - timedelta(seconds=5) for _, at, _ in ticks), ticks
+    assert state.sent >= 12 and 1 <= len(ticks) <= retention + 3, (state.sent, ticks)
+    # Each pass cut at its own time less the retention, and after the last one no finished row
+    # older than its cut-off is left (whenever that pass came, however late).
+    assert passes, "the leader never pruned"
+    assert all(abs((began - cutoff).total_seconds() - retention) < 0.5 for began, cutoff in passes), passes
+    last_cutoff = passes[-1][1]
+    assert all(at >= last_cutoff - timedelta(seconds=1) for _, at, status in ticks if status != "claimed"), \
+        (last_cutoff, ticks)
     # Per-schedule state survives the pruning of its rows.
     after = old_rows.state("report")
     assert (after.last_occurrence, after.sent, after.missed, after.skipped, after.failed) == \

@@ -169,7 +169,9 @@ def _last_buffered(made, db, broker):
     from celery_cluster_beat.schedules.occurrence import Occurrence
     ops = _ops(made, db)
     app = _app(made, db, broker)
-    app.conf.update(result_backend=broker, cluster_beat_overlap="buffer_one")
+    # Results in this process's memory, not on the Redis every test shares: nothing another test
+    # writes or forgets there can change what the guard reads of this schedule's previous run.
+    app.conf.update(result_backend="cache+memory://", cluster_beat_overlap="buffer_one")
     api = StoredSchedules(app)
     made.append(api)
     name = "job-" + uuid.uuid4().hex[:8]
@@ -199,10 +201,12 @@ def test_a_bounded_stored_schedule_is_not_ended_while_its_last_occurrence_is_onl
     ops, app, sched, name, previous, last = _last_buffered(made, db, broker)
     assert ops.stored_get([name])[0].ended_at is None  # not ended while only in memory
     app.backend.store_result(previous.task_id, None, "SUCCESS")
-    _run(sched, 20, until=lambda: ops.stored_get([name])[0].ended_at is not None)
+    _run(sched, 30, until=lambda: ops.stored_get([name])[0].ended_at is not None)
     rows = {c.scheduled_at: c.status for c in ops.claims(name)}
     # both instants of max_runs=2 have their row: the buffered one sent, the other skipped (buffer_one)
-    assert rows == {previous.at: "sent", last - timedelta(seconds=1): "sent", last: "skipped"}, rows
+    assert rows == {previous.at: "sent", last - timedelta(seconds=1): "sent", last: "skipped"}, (
+        rows, "previous run read as", sched._guard.states([previous.task_id]),
+        "buffered:", sched._guard.is_buffered(name), "store back-off over:", sched._node.backoff.over())
     assert ops.stored_get([name])[0].ended_at is not None
 
 
@@ -221,7 +225,7 @@ def test_a_clean_stop_records_the_buffered_last_occurrence_skipped_and_the_next_
     assert rows[buffered].status == "skipped" and "stopped scheduling" in rows[buffered].reason, rows[buffered]
     assert ops.stored_get([name])[0].ended_at is None  # the end was owed to the claim: the next leader writes it
     nxt = _app(made, db, broker)
-    nxt.conf.update(result_backend=broker, cluster_beat_overlap="buffer_one")
+    nxt.conf.update(result_backend="cache+memory://", cluster_beat_overlap="buffer_one")
     successor = Scheduler(nxt, lazy=False)
     made.append(successor)
     _run(successor, 10, until=lambda: ops.stored_get([name])[0].ended_at is not None)

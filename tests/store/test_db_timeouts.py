@@ -88,8 +88,17 @@ def test_a_black_hole_fails_each_call_within_the_bound_and_the_store_recovers(pr
             line = warnings[0].getMessage()
             assert f"127.0.0.1:{proxy.port}" in line and secret not in line, line
         proxy.restore()
-        started = time.monotonic()
-        assert store.claim([_occ(secret, 2)], term=1) == [_occ(secret, 2)]
+        # Recovered without a restart: the next call works, or (a loaded host: a connection the pool
+        # opened into the black hole is only found dead by the bound) the one after it. Each bounded.
+        for attempt in range(3):
+            started = time.monotonic()
+            try:
+                won = store.claim([_occ(secret, 2)], term=1)
+                break
+            except StoreUnavailable:
+                assert time.monotonic() - started < BOUND + MARGIN
+                assert attempt < 2, "the store did not recover once the path was restored"
+        assert won == [_occ(secret, 2)]
         assert [r.scheduled_at for r in store.claims(secret)] == [_occ(secret).at, _occ(secret, 2).at]
         assert time.monotonic() - started < BOUND + MARGIN
     finally:

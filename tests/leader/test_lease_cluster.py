@@ -233,7 +233,11 @@ def test_only_one_holder_at_a_time_among_five_contenders(redis_cluster, make_lea
                         hold=(0.05, 0.25)) for i in range(5)]
     for replica in replicas:
         replica.start()
-    time.sleep(4.0)
+    # At least 4 s of contention, and until the lease has changed hands 8 times (20 s at most: a
+    # starved test process hands over more slowly, not less correctly).
+    started = time.monotonic()
+    while time.monotonic() - started < 4.0 or (len(holdings) < 8 and time.monotonic() - started < 20.0):
+        time.sleep(0.1)
     stop.set()
     for replica in replicas:
         replica.join(5)

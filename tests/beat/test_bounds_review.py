@@ -175,7 +175,10 @@ def _last_buffered(made, db, broker):
     api = StoredSchedules(app)
     made.append(api)
     name = "job-" + uuid.uuid4().hex[:8]
-    api.add(name, "t.job", every(1), max_runs=2, overlap="buffer_one", catchup="all")
+    # A task name no other test registers: Celery's app.task is shared by default, so a LedgerTask
+    # "t.job" from an app another test imported in this process becomes every later app's "t.job",
+    # and the guard would read the ledger (where this run never starts) instead of its result.
+    api.add(name, "t.brv_job", every(1), max_runs=2, overlap="buffer_one", catchup="all")
     row = ops.stored_get([name])[0]
     previous = Occurrence(name, row.created_at.replace(microsecond=0) - timedelta(seconds=1))
     history = ClaimStore(db, node_id="old-node")
@@ -191,6 +194,8 @@ def _last_buffered(made, db, broker):
     rows = {c.scheduled_at: (c.status, c.reason) for c in ops.claims(name)}
     assert rows == {previous.at: ("sent", None), last: ("skipped", "overlap")}, rows  # the first: in memory only
     assert sched._guard.is_buffered(name), "set-up: no occurrence is buffered"
+    buffered_entry = sched._guard._buffer[name][0]
+    assert not sched._guard.uses_ledger(buffered_entry), "set-up: the guard would read the ledger, not the result"
     return ops, app, sched, name, previous, last
 
 
